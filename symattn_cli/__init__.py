@@ -1,0 +1,40 @@
+"""symattn: an experiment runner for symmetry-aware attention.
+
+The package is layered one way: ``groups`` (pure maths) -> ``nn`` (layers) -> ``models`` ->
+``data`` / ``train`` / ``verify`` / ``bench`` -> ``commands`` -> ``cli``. Importing the package
+imports nothing heavy; torch is loaded by the functions below when they are first called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "create_model", "get_group", "list_models"]
+
+
+def create_model(name: str, **overrides: Any):
+    """Build the model that ``symattn train model=<name>`` trains, as a ``torch.nn.Module``.
+
+    ``overrides`` replace keys of the model config (``create_model("r8_sa", heads=3)``); the
+    data-dependent sizes (input channels, classes, vocabulary) default to the model's natural
+    dataset and can be overridden the same way (``num_classes=2``).
+    """
+    from symattn_cli.models.registry import create_model as _create_model
+
+    return _create_model(name, **overrides)
+
+
+def list_models() -> list[str]:
+    """Names accepted by :func:`create_model` and by ``symattn train model=<name>``."""
+    from symattn_cli.configs.paths import list_group_options
+
+    return list_group_options("model")
+
+
+def get_group(name: str):
+    """The group object for a name such as ``"r8"``, ``"z4m"`` or an alias (``"r4"``)."""
+    from symattn_cli.groups import get_group as _get_group
+
+    return _get_group(name)

@@ -1,0 +1,21 @@
+"""Typed configs of the convolutional baselines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class CNNConfig:
+    family: str = "cnn"
+    channels: list[int] = field(default_factory=lambda: [32, 64, 96])
+    kernel_size: int = 3
+    dropout: float = 0.1
+    in_channels: int = 0  # 0 = from the data
+    num_classes: int = 0  # 0 = from the data
+
+
+SCHEMAS: list[tuple[Optional[str], str, Any]] = [
+    ("model", "cnn_schema", CNNConfig),
+]

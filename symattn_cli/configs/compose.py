@@ -1,0 +1,26 @@
+"""Compose configs from Python with the same search path and schemas as the CLI."""
+
+from __future__ import annotations
+
+from symattn_cli.configs.paths import list_group_options
+
+
+def compose_group(group: str, name: str):
+    """The composed config node of ``<group>=<name>`` (e.g. ``model=r8_sa``).
+
+    Unknown names raise ``ValueError`` listing the valid ones.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from symattn_cli.configs import register_configs
+
+    options = list_group_options(group)
+    if name not in options:
+        raise ValueError(f"unknown {group} {name!r}; choose one of: {', '.join(options)}")
+    register_configs()
+    overrides = [f"{group}={name}"]
+    if GlobalHydra.instance().is_initialized():  # inside a running Hydra app
+        return compose(config_name="train", overrides=overrides)[group]
+    with initialize_config_module(config_module="symattn_cli.conf", version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)[group]

@@ -1,0 +1,25 @@
+"""Typed configs of the image datasets (``conf/data/*.yaml`` extend these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class ImageDataConfig:
+    name: str = "rotmnist_mini"
+    kind: str = "image"
+    variant: str = "rotated"  # rotmnist_mini/mnist: rotated | upright (train upright, test rotated)
+    download: bool = True  # try to download when files are missing (needs network)
+    num_train: int = 0  # 0 = the dataset's standard split size
+    num_val: int = 0
+    num_test: int = 0
+    split_seed: int = 0  # fixes rotation angles and the train/validation/test split
+    augment: bool = False
+    arch: str = ""  # architecture preset this dataset suggests (rotmnist | cifar10 | pcam)
+
+
+SCHEMAS: list[tuple[Optional[str], str, Any]] = [
+    ("data", "image_schema", ImageDataConfig),
+]

@@ -1,0 +1,63 @@
+"""Plain CNN baseline: conv-BN-ReLU stages with max-pooling, global average pool, linear.
+
+Letters: B batch, C channels, H/W height/width, K classes. Translation equivariant in its
+convolutions only (pooling breaks it); no rotation symmetry: the reference point the
+group-equivariant models are compared against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from symattn_cli.data.base import DataSpec
+
+
+class PlainCNN(nn.Module):
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        num_classes: int,
+        channels: Sequence[int] = (32, 64, 96),
+        kernel_size: int = 3,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={kernel_size} must be odd (same padding)")
+        layers: list[nn.Module] = []
+        width = in_channels
+        for i, out in enumerate(channels):
+            layers += [
+                nn.Conv2d(width, out, kernel_size, padding=kernel_size // 2, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(out, out, kernel_size, padding=kernel_size // 2, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+            ]
+            if i < len(channels) - 1:
+                layers.append(nn.MaxPool2d(2))
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)  # (B, C, H', W')
+        h = h.mean(dim=(2, 3))  # (B, C)
+        return self.head(self.dropout(h))  # (B, K)
+
+
+def build(options: dict[str, Any], spec: DataSpec) -> PlainCNN:
+    return PlainCNN(
+        in_channels=options.get("in_channels") or spec.in_channels,
+        num_classes=options.get("num_classes") or spec.num_classes,
+        channels=tuple(options["channels"]),
+        kernel_size=options["kernel_size"],
+        dropout=options["dropout"],
+    )

@@ -8,43 +8,24 @@ fails with a one-line error. They are plain data: the builders in ``models``, ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
+from symattn_cli.train.settings import TrainSettings
 
-@dataclass
-class TrainerConfig:
-    epochs: int = 10
-    batch_size: int = 64
-    eval_batch_size: int = 256
-    optimizer: str = "adam"  # adam | adamw | sgd
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd only
-    schedule: str = "constant"  # constant | cosine (linear warm-up, then cosine decay)
-    warmup_epochs: float = 0.0
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
-    amp: bool = False  # mixed precision, used on CUDA only
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    num_workers: int = 0
-    max_steps_per_epoch: int = 0  # 0 = whole epoch; >0 truncates (smoke tests)
-    log_every_steps: int = 20  # per-step metrics to W&B every this many steps
-    checkpoint_every_steps: int = 0  # also save resumable state mid-epoch; 0 = epoch ends only
-    deterministic: bool = True
-    progress: str = "auto"  # auto | rich | plain | none
+# The trainer's own settings dataclass is the schema: one definition, no copy to drift.
+TrainerConfig = TrainSettings
 
 
 @dataclass
 class LoggerConfig:
     mode: str = "offline"  # online | offline | disabled
     project: str = "symattn"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
     tags: list[str] = field(default_factory=list)
-    dir: Optional[str] = None  # where wandb writes; default: the run directory
+    dir: str | None = None  # where wandb writes; default: the run directory
 
 
 @dataclass
@@ -54,7 +35,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
-    resume: Optional[str] = None  # run directory or run file (.h5) to continue
+    resume: str | None = None  # run directory or run file (.h5) to continue
     data_root: str = "data"  # dataset cache; relative paths resolve against the launch dir
     name: str = "train"
 
@@ -66,7 +47,7 @@ class VerifyConfig:
     families: list[str] = field(default_factory=lambda: ["gsa", "knowledge", "attention"])
     dtype: str = "float64"
     offgrid: bool = True
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     seed: int = 0
     image_size: int = 0  # 0 = the built-in default sizes
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -93,7 +74,7 @@ class BenchmarkConfig:
     name: str = "benchmark"
 
 
-SCHEMAS: list[tuple[Optional[str], str, Any]] = [
+SCHEMAS: list[tuple[str | None, str, Any]] = [
     (None, "train_schema", TrainConfig),
     (None, "verify_schema", VerifyConfig),
     (None, "benchmark_schema", BenchmarkConfig),

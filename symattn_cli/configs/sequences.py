@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -23,6 +23,6 @@ class SequenceDataConfig:
     arch: str = "sequence"
 
 
-SCHEMAS: list[tuple[Optional[str], str, Any]] = [
+SCHEMAS: list[tuple[str | None, str, Any]] = [
     ("data", "sequence_schema", SequenceDataConfig),
 ]

@@ -8,8 +8,11 @@ longest sequence with ``spec.pad_index``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
+
+from symattn_cli.errors import UserError
 
 IGNORE_INDEX = -100
 
@@ -29,7 +32,7 @@ class DataSpec:
     tokens: tuple[str, ...] = ()  # token strings, index = id (sequence tasks)
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """A dataset cannot be provided (files missing offline, bad file, bad option).
 
     The message is meant for people: it names the files expected, where to put them and the
@@ -43,6 +46,6 @@ class DataBundle:
     val: Any
     test: Any
     spec: DataSpec
-    collate: Optional[Callable] = None
+    collate: Callable | None = None
     # Extra evaluation splits, e.g. {"test_long": ...} for length generalisation.
     extra_tests: dict[str, Any] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from symattn_cli.data.base import DataSpec
+from symattn_cli.errors import ConfigError
 
 FAMILY_MODULES = {
     "cnn": "symattn_cli.models.cnn",
@@ -22,11 +23,13 @@ FAMILY_MODULES = {
 
 # What create_model assumes when no data is given: each family's natural dataset.
 DEFAULT_SPECS = {
-    "image": DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist"),
+    "image": DataSpec(
+        task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist"
+    ),
 }
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A model config names an unknown family or has an option of the wrong kind."""
 
 

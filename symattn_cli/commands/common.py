@@ -1,0 +1,122 @@
+"""What every command shares: Hydra entry points, run directories, environment, errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from symattn_cli.errors import UserError
+
+CONFIG_PATH = "pkg://symattn_cli.conf"
+EXIT_USER_ERROR = 2
+
+
+def fail(message: str) -> None:
+    """Print a user-facing error on one line and exit non-zero."""
+    print(f"symattn: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def user_errors_exit(task: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn :class:`UserError` (and its kin) into one line on stderr and exit status 2."""
+
+    @functools.wraps(task)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return task(*args, **kwargs)
+        except UserError as err:
+            fail(str(err))
+        except KeyboardInterrupt:
+            print("symattn: interrupted; the run file keeps every finished epoch", file=sys.stderr)
+            raise SystemExit(130) from None
+
+    return wrapper
+
+
+def hydra_entry(config_name: str, task: Callable[[Any], Any]) -> Callable[[], None]:
+    """A console entry that registers the schemas and runs ``task`` as a Hydra app."""
+
+    def main() -> None:
+        import hydra
+
+        from symattn_cli.configs import register_configs
+
+        register_configs()
+        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(
+            user_errors_exit(task)
+        )
+        app()
+
+    return main
+
+
+def run_dir() -> Path:
+    """This job's output directory (Hydra's ``runtime.output_dir``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def resolve_path(path: str) -> Path:
+    """A user path relative to where symattn was launched (Hydra does not chdir)."""
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else Path.cwd() / candidate
+
+
+def git_commit() -> tuple[str, bool]:
+    """``(commit, dirty)`` of the checkout the code runs from, or ``("", False)``."""
+    source = Path(__file__).resolve().parents[2]
+    for where in (Path.cwd(), source):
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+            ).stdout.strip()
+            status = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=where,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            return commit, bool(status.strip())
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    return "", False
+
+
+def environment(device: str = "cpu") -> dict[str, Any]:
+    """Versions, device and commit: written into every run file."""
+    import h5py
+    import numpy
+    import torch
+
+    commit, dirty = git_commit()
+    device_name = platform.processor() or platform.machine()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(torch.device(device))
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "h5py": h5py.__version__,
+        "platform": platform.platform(),
+        "device": device,
+        "device_name": device_name,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count() or 0,
+        "argv": " ".join(sys.argv),
+    }
+
+
+def to_yaml(cfg: Any) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(cfg, resolve=True)

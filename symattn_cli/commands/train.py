@@ -1,0 +1,183 @@
+"""``symattn train``: compose model, data, trainer and logger into one run.
+
+Writes ``<run dir>/run.h5`` (see :mod:`symattn_cli.train.runfile`) and streams metrics to
+Weights & Biases. ``resume=<run dir or run.h5>`` continues a killed run from its last finished
+epoch, with the config stored in the run file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from symattn_cli.commands.common import (
+    environment,
+    fail,
+    hydra_entry,
+    resolve_path,
+    run_dir,
+    to_yaml,
+)
+from symattn_cli.errors import ConfigError, UserError
+
+RUN_FILE = "run.h5"
+
+
+def locate_run_file(target: str) -> Path:
+    """The run file behind ``resume=``: a run directory or the ``run.h5`` itself."""
+    from symattn_cli.train.runfile import RunFileError, check_run_file
+
+    path = resolve_path(target)
+    if path.is_dir():
+        path = path / RUN_FILE
+    if not path.exists():
+        raise RunFileError(
+            f"resume={target!r}: no run file at {path}; pass a run directory made by "
+            "`symattn train` (it holds run.h5) or the run.h5 itself"
+        )
+    check_run_file(path)
+    return path
+
+
+def stored_config(path: Path):
+    """The resolved config a run was started with, re-validated against the schema."""
+    from omegaconf import OmegaConf
+
+    from symattn_cli.configs.base import TrainConfig
+    from symattn_cli.train.runfile import read_config_yaml
+
+    stored = OmegaConf.create(read_config_yaml(path))
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
+
+
+def train(cfg: Any) -> dict[str, float]:
+    """Run one training job described by ``cfg``; return the final summary."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from symattn_cli.data.registry import build_data
+    from symattn_cli.models.registry import build_model
+    from symattn_cli.train.progress import Progress
+    from symattn_cli.train.runfile import RunFile, read_state
+    from symattn_cli.train.settings import TrainSettings
+    from symattn_cli.train.tracking import start_tracker
+    from symattn_cli.train.trainer import (
+        DivergedError,
+        Trainer,
+        metric_names,
+        resolve_device,
+        seed_everything,
+    )
+
+    resume_path = locate_run_file(cfg.resume) if cfg.resume else None
+    if resume_path is not None:
+        cfg = stored_config(resume_path)
+        directory = resume_path.parent
+    else:
+        directory = run_dir()
+    settings = TrainSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
+    settings.check()
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    seed_everything(cfg.seed, deterministic=settings.deterministic)
+
+    data = build_data(OmegaConf.to_container(cfg.data, resolve=True), resolve_path(cfg.data_root))
+    model_options = OmegaConf.to_container(cfg.model, resolve=True)
+    try:
+        model = build_model(model_options, data.spec)
+    except ValueError as err:  # constructors validate their keyword arguments
+        raise ConfigError(f"model: {err}") from None
+    device = resolve_device(settings.device)
+    names = metric_names(data.spec.task, data.extra_tests)
+
+    if resume_path is not None:
+        state = read_state(resume_path)
+        run_file = RunFile.reopen(resume_path)
+    else:
+        state = None
+        run_file = RunFile.create(
+            directory / RUN_FILE,
+            command="train",
+            config_yaml=to_yaml(cfg),
+            env=environment(str(device)),
+            epoch_metrics=names["epoch"],
+            step_metrics=names["step"],
+            summary_metrics=names["summary"],
+            weights={k: v.detach().cpu().numpy() for k, v in model.state_dict().items()},
+        )
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    tracker = start_tracker(
+        mode=cfg.logger.mode,
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        tags=list(cfg.logger.tags),
+        wandb_dir=cfg.logger.dir,
+        run_dir=directory,
+        config=config_dict,
+        name=directory.name,
+        run_id=state.get("tracker_id") if state else None,
+    )
+    exit_code = 1
+    try:
+        with Progress(settings.progress) as progress:
+            trainer = Trainer(
+                model,
+                data,
+                settings,
+                run_file=run_file,
+                tracker=tracker,
+                seed=cfg.seed,
+                progress=progress,
+            )
+            if state is not None:
+                trainer.load_state(state)
+                progress.message(f"resuming {resume_path} after epoch {trainer.epoch}")
+            summary = trainer.fit()
+        run_file.set_summary(summary)
+        run_file.set_status("finished")
+        tracker.summary(summary)
+        exit_code = 0
+    except DivergedError:
+        run_file.set_status("diverged")
+        raise
+    except BaseException:
+        run_file.set_status("failed")
+        raise
+    finally:
+        run_file.close()
+        tracker.finish(exit_code=exit_code)
+    _report(summary, run_file.path)
+    return summary
+
+
+def _report(summary: dict[str, float], path: Path) -> None:
+    scores = ", ".join(
+        f"{key} {value:.4f}"
+        for key, value in summary.items()
+        if key.startswith("test") and key.endswith(("acc", "exact"))
+    )
+    print(f"{scores}\nrun file: {path}", flush=True)
+
+
+def _task(cfg: Any) -> None:
+    train(cfg)
+
+
+def main() -> None:
+    _prepare_resume_argv()
+    hydra_entry("train", _task)()
+
+
+def _prepare_resume_argv() -> None:
+    """With ``resume=``, write Hydra's own files nowhere new: the run keeps its directory."""
+    args = sys.argv[1:]
+    targets = [a.split("=", 1)[1] for a in args if a.startswith("resume=")]
+    if not targets or any(a in ("-m", "--multirun") for a in args):
+        return
+    try:
+        path = locate_run_file(targets[-1])
+    except UserError as err:  # one line, before Hydra starts
+        fail(str(err))
+    sys.argv += [f"hydra.run.dir={path.parent}", "hydra.output_subdir=null"]

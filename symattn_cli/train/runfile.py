@@ -1,0 +1,262 @@
+"""The HDF5 run file: one per run, readable while the run writes it.
+
+Schema (``format = "symattn-run"``, ``format_version = 1``; documented in the README):
+
+    /                        attrs: format, format_version, command, created, symattn_version
+    /config                  attrs: yaml (the resolved config), seed
+    /env                     attrs: git_commit, git_dirty, python, torch, h5py, numpy, platform,
+                                    device, device_name, threads
+    /metrics/epoch/<name>    float64 (E,) resizable, one row per finished epoch
+    /metrics/step/<name>     float64 (S,) resizable, one row per logged optimiser step
+    /status                  utf-8 string: running | finished | diverged | failed
+    /summary/<name>          float64 scalar: final metrics (NaN until the run has finished)
+    /weights/best/<param>    the best-on-validation weights, one dataset per state_dict entry
+    /state/blob              uint8 (bytes of ``torch.save``): model, optimiser, scheduler,
+                             RNG states, epoch, step, best tracking, logger run id
+    /state/size              int64 scalar: the valid length of /state/blob
+    /results/...             command-specific tables (equivariance, benchmarks)
+
+Every dataset is created before SWMR mode is switched on, so a second process can open the
+file with ``h5py.File(path, "r", libver="latest", swmr=True)`` and read live metrics; the
+writer flushes after every epoch, so a killed run keeps every finished epoch and its state.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from symattn_cli.errors import UserError
+
+FORMAT = "symattn-run"
+FORMAT_VERSION = 1
+STATUS_LENGTH = 16
+
+
+class RunFileError(UserError):
+    """A file given as a run file is missing, corrupt or not a symattn run file."""
+
+
+def _string_dtype():
+    return h5py.string_dtype("utf-8")
+
+
+class RunFile:
+    """Writer of one run's HDF5 file (see the module docstring for the schema)."""
+
+    def __init__(self, handle: h5py.File, path: Path) -> None:
+        self._h5 = handle
+        self.path = path
+
+    # -- creation and reopening -------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: Path,
+        *,
+        command: str,
+        config_yaml: str,
+        env: Mapping[str, Any],
+        epoch_metrics: Iterable[str],
+        step_metrics: Iterable[str],
+        summary_metrics: Iterable[str],
+        weights: Mapping[str, np.ndarray] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> RunFile:
+        """Create the file with every dataset it will ever need, then enter SWMR mode."""
+        import datetime
+
+        from symattn_cli import __version__
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        h5 = h5py.File(path, "w", libver="latest")
+        h5.attrs["format"] = FORMAT
+        h5.attrs["format_version"] = FORMAT_VERSION
+        h5.attrs["command"] = command
+        h5.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        h5.attrs["symattn_version"] = __version__
+        config = h5.create_group("config")
+        config.attrs["yaml"] = config_yaml
+        env_group = h5.create_group("env")
+        for key, value in env.items():
+            env_group.attrs[key] = value if isinstance(value, (bool, int, float)) else str(value)
+        for kind, names in (("epoch", epoch_metrics), ("step", step_metrics)):
+            group = h5.create_group(f"metrics/{kind}")
+            for name in names:
+                group.create_dataset(name, shape=(0,), maxshape=(None,), dtype="f8", chunks=(256,))
+        summary = h5.create_group("summary")
+        for name in summary_metrics:
+            summary.create_dataset(name, data=np.nan, dtype="f8")
+        h5.create_dataset("status", data="running", dtype=_string_dtype())
+        best = h5.create_group("weights/best")
+        for name, array in (weights or {}).items():
+            best.create_dataset(name, data=np.zeros_like(array))
+        state = h5.create_group("state")
+        state.create_dataset("blob", shape=(0,), maxshape=(None,), dtype="u1", chunks=(1 << 20,))
+        state.create_dataset("size", data=0, dtype="i8")
+        if extra:
+            _write_tree(h5.require_group("results"), extra)
+        h5.flush()
+        h5.swmr_mode = True
+        return cls(h5, path)
+
+    @classmethod
+    def reopen(cls, path: Path) -> RunFile:
+        """Open an existing run file for appending (resume)."""
+        check_run_file(path)
+        h5 = h5py.File(path, "r+", libver="latest")
+        h5.swmr_mode = True
+        return cls(h5, Path(path))
+
+    def close(self) -> None:
+        if self._h5.id.valid:
+            self._h5.flush()
+            self._h5.close()
+
+    def __enter__(self) -> RunFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def append(self, kind: str, row: Mapping[str, float]) -> None:
+        """Append one row to ``/metrics/<kind>``; names the file does not know are ignored."""
+        group = self._h5[f"metrics/{kind}"]
+        length = self.num_rows(kind)
+        for name, dataset in group.items():
+            dataset.resize((length + 1,))
+            value = row.get(name, math.nan)
+            dataset[length] = float(value)
+
+    def num_rows(self, kind: str) -> int:
+        group = self._h5[f"metrics/{kind}"]
+        return min((d.shape[0] for d in group.values()), default=0)
+
+    def rows_until(self, kind: str, column: str, limit: float) -> int:
+        """How many leading rows of ``/metrics/<kind>`` have ``column <= limit``."""
+        values = self._h5[f"metrics/{kind}/{column}"][: self.num_rows(kind)]
+        return int(np.searchsorted(values, limit, side="right"))
+
+    def truncate(self, kind: str, rows: int) -> None:
+        """Drop rows past ``rows`` (metrics written after the state a resume restarts from)."""
+        for dataset in self._h5[f"metrics/{kind}"].values():
+            if dataset.shape[0] > rows:
+                dataset.resize((rows,))
+
+    def set_status(self, status: str) -> None:
+        self._h5["status"][()] = status
+
+    def set_summary(self, values: Mapping[str, float]) -> None:
+        summary = self._h5["summary"]
+        for name, value in values.items():
+            if name in summary:
+                summary[name][()] = float(value)
+
+    def write_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        best = self._h5["weights/best"]
+        for name, array in weights.items():
+            best[name][...] = array
+
+    def write_state(self, state: Mapping[str, Any]) -> None:
+        """Store the resumable training state as the bytes of ``torch.save``."""
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(dict(state), buffer)
+        payload = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
+        blob = self._h5["state/blob"]
+        if blob.shape[0] < payload.shape[0]:
+            blob.resize((payload.shape[0],))
+        blob[: payload.shape[0]] = payload
+        self._h5["state/size"][()] = payload.shape[0]
+
+    def flush(self) -> None:
+        self._h5.flush()
+
+
+def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            _write_tree(group.require_group(key), value)
+        elif isinstance(value, str):
+            group.create_dataset(key, data=value, dtype=_string_dtype())
+        else:
+            group.create_dataset(key, data=np.asarray(value))
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def check_run_file(path: Path) -> None:
+    """Raise :class:`RunFileError` unless ``path`` is a readable symattn run file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunFileError(f"run file {path} does not exist; pass a run directory or its run.h5")
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+            fmt = h5.attrs.get("format")
+            if fmt != FORMAT:
+                raise RunFileError(
+                    f"{path} is an HDF5 file but not a symattn run file (format={fmt!r}); "
+                    "pass the run.h5 written by `symattn train`"
+                )
+    except OSError as err:
+        raise RunFileError(
+            f"{path} cannot be read as HDF5 ({err}); it is corrupt or not a run file. "
+            "Pass the run.h5 written by `symattn train`, or start a new run without resume="
+        ) from None
+
+
+def read_metrics(path: Path, kind: str = "epoch") -> dict[str, np.ndarray]:
+    """The metrics table of a run file, safe to call while the run is writing it."""
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        group = h5[f"metrics/{kind}"]
+        columns = {}
+        for name, dataset in group.items():
+            dataset.refresh()
+            columns[name] = dataset[...]
+        rows = min((len(c) for c in columns.values()), default=0)
+        return {name: column[:rows] for name, column in columns.items()}
+
+
+def read_summary(path: Path) -> dict[str, float]:
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return {name: float(d[()]) for name, d in h5["summary"].items()}
+
+
+def read_status(path: Path) -> str:
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        value = h5["status"][()]
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_config_yaml(path: Path) -> str:
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return str(h5["config"].attrs["yaml"])
+
+
+def read_weights(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return {name: d[...] for name, d in h5["weights/best"].items()}
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """The resumable state stored in a run file, or ``None`` if none was written yet."""
+    import torch
+
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        size = int(h5["state/size"][()])
+        if size == 0:
+            return None
+        payload = h5["state/blob"][:size].tobytes()
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)

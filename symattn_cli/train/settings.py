@@ -1,0 +1,60 @@
+"""Settings of the trainer: plain values, no torch (also the Hydra schema of ``trainer/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from symattn_cli.errors import ConfigError
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+PROGRESS_MODES = ("auto", "rich", "plain", "none")
+
+
+@dataclass
+class TrainSettings:
+    epochs: int = 10
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    optimizer: str = "adam"  # adam | adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    schedule: str = "constant"  # constant | cosine (linear warm-up, then cosine decay)
+    warmup_epochs: float = 0.0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
+    amp: bool = False  # mixed precision; honoured on CUDA only
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    num_workers: int = 0
+    max_steps_per_epoch: int = 0  # 0 = whole epoch; >0 truncates epochs (smoke tests)
+    log_every_steps: int = 20  # per-step metrics every this many optimiser steps
+    deterministic: bool = True
+    progress: str = "auto"  # auto | rich | plain | none
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the bad value and the fix."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"trainer.optimizer={self.optimizer!r} is unknown; use one of {OPTIMIZERS}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"trainer.schedule={self.schedule!r} is unknown; use one of {SCHEDULES}"
+            )
+        if self.progress not in PROGRESS_MODES:
+            raise ConfigError(
+                f"trainer.progress={self.progress!r} is unknown; use one of {PROGRESS_MODES}"
+            )
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name}={getattr(self, name)} must be at least 1")
+        if self.lr <= 0:
+            raise ConfigError(f"trainer.lr={self.lr} must be positive")
+        if self.grad_clip < 0:
+            raise ConfigError(f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 disables it)")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(
+                f"trainer.device={self.device!r} is unknown; use auto, cpu, cuda or cuda:N"
+            )

@@ -1,0 +1,349 @@
+"""The training loop: optimiser, schedule, validation, best weights, test, resume.
+
+Selection happens on validation only: the best-on-validation weights are kept (in memory and in
+the run file) and the test split is evaluated once, at the end, with those weights. Every epoch
+ends by writing the full resumable state to the run file, so a killed run continues from its
+last finished epoch and, on CPU, reaches the same final metrics as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from symattn_cli.data.base import IGNORE_INDEX, DataBundle
+from symattn_cli.errors import ConfigError, UserError
+from symattn_cli.train.progress import Progress
+from symattn_cli.train.runfile import RunFile
+from symattn_cli.train.settings import TrainSettings
+from symattn_cli.train.tracking import Tracker
+
+
+class DivergedError(UserError):
+    """The loss became NaN or infinite; the run file keeps the last good state."""
+
+
+def seed_everything(seed: int, *, deterministic: bool = True) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name!r} but no CUDA device is available; use cpu")
+    return device
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def metric_names(task: str, extra_tests: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Names of the epoch, step and summary metrics a run of this task writes."""
+    scores = ["loss", "acc"] + (["exact"] if task == "tokens" else [])
+    epoch = ["epoch", "step", "lr", "time_s"]
+    epoch += [f"{split}_{m}" for split in ("train", "val") for m in scores]
+    summary = ["best_epoch", "parameters", "train_time_s"]
+    summary += [f"best_val_{m}" for m in scores]
+    summary += [f"{split}_{m}" for split in ("test", *extra_tests) for m in scores]
+    return {"epoch": epoch, "step": ["step", "epoch", "loss", "lr"], "summary": summary}
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+def _score(task: str, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed loss and counts for one batch (summed so that epoch means are exact)."""
+    if task == "classify":
+        loss = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+        correct = (logits.argmax(-1) == targets).sum()
+        return {"loss": loss, "correct": correct, "count": torch.tensor(targets.numel())}
+    # tokens: logits (B, n, V), targets (B, n) with IGNORE_INDEX where nothing is read
+    mask = targets != IGNORE_INDEX  # (B, n)
+    loss = nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    hit = (logits.argmax(-1) == targets) | ~mask  # (B, n)
+    return {
+        "loss": loss,
+        "correct": (hit & mask).sum(),
+        "count": mask.sum(),
+        "exact": hit.all(dim=1).sum(),
+        "sequences": torch.tensor(targets.shape[0]),
+    }
+
+
+class Trainer:
+    """Fits ``model`` on ``data`` with ``settings``; writes to ``run_file`` and ``tracker``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DataBundle,
+        settings: TrainSettings,
+        *,
+        run_file: RunFile,
+        tracker: Tracker,
+        seed: int = 0,
+        progress: Progress | None = None,
+    ) -> None:
+        settings.check()
+        self.settings = settings
+        self.data = data
+        self.task = data.spec.task
+        self.seed = seed
+        self.device = resolve_device(settings.device)
+        self.model = model.to(self.device)
+        self.run_file = run_file
+        self.tracker = tracker
+        self.progress = progress or Progress("none")
+        self.use_amp = settings.amp and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
+        self.optimizer = self._make_optimizer()
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor())
+        self.epoch = 0  # finished epochs
+        self.step = 0  # optimiser steps taken
+        self.best_metric = -math.inf
+        self.best_epoch = 0
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_scores: dict[str, float] = {}
+        self.train_time = 0.0
+
+    # -- construction helpers ---------------------------------------------------------------
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        s = self.settings
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if s.optimizer == "adam":
+            return torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
+        if s.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+        return torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+
+    def _steps_per_epoch(self) -> int:
+        steps = math.ceil(len(self.data.train) / self.settings.batch_size)
+        if self.settings.max_steps_per_epoch > 0:
+            steps = min(steps, self.settings.max_steps_per_epoch)
+        return steps
+
+    def _lr_factor(self) -> Callable[[int], float]:
+        s = self.settings
+        total = s.epochs * self.steps_per_epoch
+        warmup = int(round(s.warmup_epochs * self.steps_per_epoch))
+
+        def factor(step: int) -> float:
+            if warmup > 0 and step < warmup:
+                return (step + 1) / warmup
+            if s.schedule == "constant":
+                return 1.0
+            progress = (step - warmup) / max(1, total - warmup)
+            cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+            return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * cosine
+
+        return factor
+
+    def _loader(self, dataset: Any, *, train: bool, epoch: int = 0) -> DataLoader:
+        generator = None
+        if train:
+            # One generator per epoch, seeded from (seed, epoch): replaying an epoch after a
+            # resume draws the same batches without storing any sampler state.
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return DataLoader(
+            dataset,
+            batch_size=self.settings.batch_size if train else self.settings.eval_batch_size,
+            shuffle=train,
+            generator=generator,
+            collate_fn=self.data.collate,
+            num_workers=self.settings.num_workers,
+            drop_last=False,
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "best_metric": self.best_metric,
+            "best_epoch": self.best_epoch,
+            "best_state": self.best_state,
+            "best_scores": self.best_scores,
+            "train_time": self.train_time,
+            "rng_torch": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rng_numpy": np.random.get_state(),
+            "rng_python": random.getstate(),
+            "tracker_id": self.tracker.run_id,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.step = state["step"]
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.best_metric = state["best_metric"]
+        self.best_epoch = state["best_epoch"]
+        self.best_state = state["best_state"]
+        self.best_scores = dict(state["best_scores"])
+        self.train_time = state["train_time"]
+        torch.set_rng_state(state["rng_torch"])
+        if state.get("rng_cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        np.random.set_state(state["rng_numpy"])
+        random.setstate(state["rng_python"])
+        # Rows written after this state (a partly finished epoch) are replayed.
+        self.run_file.truncate("epoch", self.epoch)
+        self.run_file.truncate("step", self.run_file.rows_until("step", "step", self.step))
+
+    # -- loop -------------------------------------------------------------------------------------
+
+    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=self.device.type, enabled=self.use_amp):
+            return self.model(inputs)
+
+    def _train_epoch(self, epoch: int) -> dict[str, float]:
+        self.model.train()
+        totals: dict[str, float] = {}
+        loader = self._loader(self.data.train, train=True, epoch=epoch)
+        self.progress.start_epoch(epoch + 1, self.settings.epochs, self.steps_per_epoch)
+        for index, (inputs, targets) in enumerate(loader):
+            if index >= self.steps_per_epoch:
+                break
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            logits = self._forward(inputs)
+            scores = _score(self.task, logits, targets)
+            loss = scores["loss"] / scores["count"].clamp(min=1)
+            if not torch.isfinite(loss):
+                raise DivergedError(
+                    f"loss became {loss.item()} at epoch {epoch + 1}, step {self.step + 1}; "
+                    "the run file keeps the last finished epoch. Lower trainer.lr, set "
+                    "trainer.grad_clip (e.g. 1.0) or turn off trainer.amp"
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+            if self.settings.grad_clip > 0:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            self.step += 1
+            for key, value in scores.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            if self.step % self.settings.log_every_steps == 0:
+                row = {
+                    "step": self.step,
+                    "epoch": epoch + 1,
+                    "loss": loss.item(),
+                    "lr": self.scheduler.get_last_lr()[0],
+                }
+                self.run_file.append("step", row)
+                self.tracker.log({"train/step_loss": row["loss"], "lr": row["lr"]}, step=self.step)
+            self.progress.step(f"loss {loss.item():.4f}")
+        return _means(totals)
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Any) -> dict[str, float]:
+        self.model.eval()
+        totals: dict[str, float] = {}
+        for inputs, targets in self._loader(dataset, train=False):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            scores = _score(self.task, self._forward(inputs), targets)
+            for key, value in scores.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        return _means(totals)
+
+    def fit(self) -> dict[str, float]:
+        """Train the remaining epochs, then test the best weights once; return the summary."""
+        s = self.settings
+        self.progress.message(
+            f"model: {type(self.model).__name__}, {count_parameters(self.model):,} parameters, "
+            f"device {self.device}, {len(self.data.train)} train / {len(self.data.val)} val / "
+            f"{len(self.data.test)} test"
+        )
+        while self.epoch < s.epochs:
+            epoch = self.epoch
+            start = time.perf_counter()
+            train_scores = self._train_epoch(epoch)
+            val_scores = self.evaluate(self.data.val)
+            elapsed = time.perf_counter() - start
+            self.train_time += elapsed
+            self.epoch = epoch + 1
+            row = {"epoch": self.epoch, "step": self.step, "time_s": elapsed}
+            row["lr"] = self.scheduler.get_last_lr()[0]
+            row.update({f"train_{k}": v for k, v in train_scores.items()})
+            row.update({f"val_{k}": v for k, v in val_scores.items()})
+            selection = val_scores.get("exact", val_scores["acc"])
+            if selection > self.best_metric:
+                self.best_metric = selection
+                self.best_epoch = self.epoch
+                self.best_state = copy.deepcopy(
+                    {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                )
+                self.best_scores = dict(val_scores)
+                self.run_file.write_weights(_numpy_state(self.best_state))
+            self.run_file.append("epoch", row)
+            self.run_file.write_state(self.state())
+            self.run_file.flush()
+            self.tracker.log(
+                {f"{k.replace('_', '/', 1)}": v for k, v in row.items() if k not in ("step",)},
+                step=self.step,
+            )
+            self.progress.end_epoch(self.epoch, s.epochs, row)
+        return self.finish()
+
+    def finish(self) -> dict[str, float]:
+        if self.best_state is not None:
+            self.model.load_state_dict(self.best_state)
+        summary: dict[str, float] = {
+            "best_epoch": self.best_epoch,
+            "parameters": count_parameters(self.model),
+            "train_time_s": self.train_time,
+        }
+        summary.update({f"best_val_{k}": v for k, v in self.best_scores.items()})
+        splits = {"test": self.data.test, **self.data.extra_tests}
+        for split, dataset in splits.items():
+            for key, value in self.evaluate(dataset).items():
+                summary[f"{split}_{key}"] = value
+        return summary
+
+
+def _means(totals: Mapping[str, float]) -> dict[str, float]:
+    means = {
+        "loss": totals.get("loss", 0.0) / max(1.0, totals.get("count", 0.0)),
+        "acc": totals.get("correct", 0.0) / max(1.0, totals.get("count", 0.0)),
+    }
+    if "exact" in totals:
+        means["exact"] = totals["exact"] / max(1.0, totals["sequences"])
+    return means
+
+
+def _numpy_state(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in state.items()}

@@ -118,3 +118,321 @@ def test_mini_does_not_import_mlxtend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- rotmnist (Larochelle et al. 2007) on small files in the real format ----------------------
+
+AMAT_TRAIN = "mnist_all_rotation_normalized_float_train_valid.amat"
+AMAT_TEST = "mnist_all_rotation_normalized_float_test.amat"
+
+
+def amat_rows(n: int, seed: int):
+    """``n`` rows of 784 floats in [0, 1] then the label written as a float."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.rand(n, 784, generator=g, dtype=torch.float64)
+    pixels[pixels < 0.6] = 0.0  # mostly background, as in the real files
+    labels = torch.arange(n) % 10
+    lines = [
+        " ".join(f"{v:.18e}" for v in row.tolist()) + f" {float(label):.18e}"
+        for row, label in zip(pixels, labels, strict=True)
+    ]
+    return "\n".join(lines) + "\n", pixels, labels
+
+
+@pytest.fixture
+def small_rotmnist(monkeypatch):
+    """Shrink the expected row counts to 12 / 5 rows (10 train + 2 validation / 5 test)."""
+    from symattn_cli.data import rotmnist
+
+    monkeypatch.setattr(rotmnist, "ROWS_TRAIN_VALID", 12)
+    monkeypatch.setattr(rotmnist, "ROWS_TEST", 5)
+    monkeypatch.setattr(rotmnist, "NUM_VAL", 2)
+    train_text, train_px, train_y = amat_rows(12, 0)
+    test_text, test_px, test_y = amat_rows(5, 1)
+    return (
+        rotmnist,
+        {AMAT_TRAIN: train_text, AMAT_TEST: test_text},
+        (train_px, train_y, test_px, test_y),
+    )
+
+
+def write_zip(path: Path, texts: dict, folder: str = ""):
+    import zipfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, text in texts.items():
+            archive.writestr(folder + name, text)
+
+
+def check_rotmnist_bundle(bundle, expected):
+    train_px, train_y, test_px, test_y = expected
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (10, 2, 5)
+    assert bundle.spec.arch == "rotmnist" and bundle.spec.image_size == 28
+    x, y = bundle.val[1]
+    assert x.dtype == torch.float32 and x.shape == (1, 28, 28)
+    # floats kept as written (no 8-bit quantisation), last two train_valid rows validate
+    torch.testing.assert_close(x.flatten().double(), train_px[11], atol=1e-7, rtol=0)
+    assert y == int(train_y[11])
+    torch.testing.assert_close(bundle.test.images.flatten(1).double(), test_px, atol=1e-7, rtol=0)
+    assert bundle.train.labels.tolist() == train_y[:10].tolist()
+
+
+@pytest.mark.parametrize("inner_folder", ["", "mnist_rotation_new/"])
+def test_rotmnist_reads_zip_and_caches(tmp_path, small_rotmnist, inner_folder):
+    rotmnist, texts, expected = small_rotmnist
+    zip_path = tmp_path / "rotmnist" / "mnist_rotation_new.zip"
+    write_zip(zip_path, texts, inner_folder)
+    options = {"name": "rotmnist", "download": False, "verify_md5": False}
+    check_rotmnist_bundle(build_data(options, tmp_path), expected)
+    cache = tmp_path / "rotmnist" / "mnist_rotation_new.npz"
+    assert cache.is_file()
+    zip_path.unlink()  # the second run reads the cache only
+    check_rotmnist_bundle(build_data(options, tmp_path), expected)
+
+
+def test_rotmnist_reads_loose_amat_files(tmp_path, small_rotmnist):
+    rotmnist, texts, expected = small_rotmnist
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    bundle = build_data({"name": "rotmnist", "download": False}, tmp_path)
+    check_rotmnist_bundle(bundle, expected)
+    assert (tmp_path / "mnist_rotation_new.npz").is_file()
+
+
+def test_rotmnist_md5_check(tmp_path, small_rotmnist, monkeypatch):
+    from symattn_cli.data.image_common import md5_of
+
+    rotmnist, texts, expected = small_rotmnist
+    zip_path = tmp_path / "mnist_rotation_new.zip"
+    write_zip(zip_path, texts)
+    options = {"name": "rotmnist", "download": False, "verify_md5": True}
+    with pytest.raises(DataError, match=r"has md5 [0-9a-f]{32}, expected .*verify_md5=false"):
+        build_data(options, tmp_path)  # the real file's md5 is not this tiny file's
+    monkeypatch.setattr(rotmnist, "ZIP_MD5", md5_of(zip_path))
+    check_rotmnist_bundle(build_data(options, tmp_path), expected)
+
+
+def test_rotmnist_rejects_wrong_structure(tmp_path, small_rotmnist):
+    rotmnist, texts, _ = small_rotmnist
+    short = dict(texts)
+    short[AMAT_TEST] = "".join(texts[AMAT_TEST].splitlines(keepends=True)[:3])
+    write_zip(tmp_path / "mnist_rotation_new.zip", short)
+    with pytest.raises(DataError, match=r"has 3 rows of 785 numbers, expected 5 rows"):
+        build_data({"name": "rotmnist", "download": False, "verify_md5": False}, tmp_path)
+
+
+def test_rotmnist_missing_offline(tmp_path):
+    with pytest.raises(DataError) as info:
+        build_data({"name": "rotmnist", "download": False}, tmp_path)
+    message = str(info.value)
+    assert "mnist_rotation_new.zip" in message and AMAT_TRAIN in message
+    assert str(tmp_path / "rotmnist") in message and "data.download=true" in message
+    assert "\n" not in message
+
+
+def test_rotmnist_download_failure_is_one_clear_error(tmp_path):
+    # conftest refuses every connection, as on a machine without network
+    with pytest.raises(DataError, match=r"download from http\S+ failed.*mnist_rotation_new.zip"):
+        build_data({"name": "rotmnist", "download": True}, tmp_path)
+    assert not list((tmp_path / "rotmnist").glob("*"))  # no partial file left behind
+
+
+def test_rotmnist_download_checks_md5(tmp_path, small_rotmnist, monkeypatch):
+    from symattn_cli.data import image_common
+
+    rotmnist, texts, expected = small_rotmnist
+    source = tmp_path / "server" / "mnist_rotation_new.zip"
+    write_zip(source, texts)
+
+    def fake_download(url, dest):
+        assert url == rotmnist.URL
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(source.read_bytes())
+
+    monkeypatch.setattr(image_common, "download", fake_download)
+    root = tmp_path / "data"
+    with pytest.raises(DataError, match="has md5"):
+        build_data({"name": "rotmnist", "download": True}, root)
+    assert not (root / "rotmnist" / "mnist_rotation_new.zip").exists()  # bad copy removed
+    monkeypatch.setattr(rotmnist, "ZIP_MD5", image_common.md5_of(source))
+    check_rotmnist_bundle(build_data({"name": "rotmnist", "download": True}, root), expected)
+
+
+# --- torchvision MNIST idx files --------------------------------------------------------------
+
+
+def write_idx(path: Path, array):
+    """An idx file as on yann.lecun.com: big-endian magic (0, 0, dtype 0x08, ndim), dims."""
+    import numpy as np
+
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
+        int(d).to_bytes(4, "big") for d in array.shape
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header + array.tobytes())
+
+
+@pytest.fixture
+def mnist_root(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    raw = tmp_path / "MNIST" / "raw"
+    train_x = torch.randint(0, 256, (24, 28, 28), generator=g, dtype=torch.uint8)
+    test_x = torch.randint(0, 256, (6, 28, 28), generator=g, dtype=torch.uint8)
+    train_x[:, :, :14] = 0  # left half blank, so rotation visibly moves ink
+    test_x[:, :, :14] = 0
+    write_idx(raw / "train-images-idx3-ubyte", train_x.numpy())
+    write_idx(raw / "train-labels-idx1-ubyte", (torch.arange(24) % 10).numpy())
+    write_idx(raw / "t10k-images-idx3-ubyte", test_x.numpy())
+    write_idx(raw / "t10k-labels-idx1-ubyte", (torch.arange(6) % 10).numpy())
+    return tmp_path, train_x, test_x
+
+
+def test_mnist_reads_idx_files(mnist_root):
+    root, train_x, test_x = mnist_root
+    plain = build_data({"name": "mnist", "variant": "plain", "download": False}, root)
+    assert (len(plain.train), len(plain.val), len(plain.test)) == (22, 2, 6)  # 1/12 held out
+    assert plain.spec == build_data({"name": "mnist", "download": False}, root).spec
+    assert plain.spec.arch == "rotmnist" and plain.spec.in_channels == 1
+    torch.testing.assert_close(plain.test.images[:, 0], test_x.float() / 255)
+    train_and_val = torch.cat([plain.train.images, plain.val.images])[:, 0]
+    assert sorted(map(tuple, (train_and_val * 255).round().flatten(1).int().tolist())) == sorted(
+        map(tuple, train_x.flatten(1).int().tolist())
+    )
+
+    upright = build_data({"name": "mnist", "variant": "upright", "download": False}, root)
+    rotated = build_data({"name": "mnist", "variant": "rotated", "download": False}, root)
+    assert torch.equal(upright.train.images, plain.train.images)
+    assert torch.equal(upright.test.images, rotated.test.images)
+    assert not torch.allclose(rotated.train.images, plain.train.images)
+    assert not torch.allclose(upright.test.images, plain.test.images)
+
+
+def test_mnist_missing_offline_and_download_failure(tmp_path):
+    for download in (False, True):  # True: conftest refuses the connection
+        with pytest.raises(DataError) as info:
+            build_data({"name": "mnist", "download": download}, tmp_path)
+        message = str(info.value)
+        assert "train-images-idx3-ubyte" in message and str(tmp_path / "MNIST" / "raw") in message
+        assert "data.download=true" in message and "\n" not in message
+
+
+# --- CIFAR-10 python batches ------------------------------------------------------------------
+
+
+def write_cifar(root: Path, per_batch: int = 4):
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    written = {}
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for k, name in enumerate(names):
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        labels = [(k + i) % 10 for i in range(per_batch)]
+        entry = {"batch_label": name, "labels": labels, "data": data, "filenames": []}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+        written[name] = (data, labels)
+    return written
+
+
+def test_cifar10_reads_python_batches(tmp_path):
+    import numpy as np
+
+    from symattn_cli.data.vision_files import CIFAR_MEAN, CIFAR_STD
+
+    written = write_cifar(tmp_path)
+    options = {"name": "cifar10", "variant": "plain", "download": False, "verify_md5": False}
+    bundle = build_data(options, tmp_path)
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (18, 2, 4)
+    assert (bundle.spec.in_channels, bundle.spec.image_size, bundle.spec.arch) == (3, 32, "cifar10")
+    data, labels = written["test_batch"]
+    x, y = bundle.test[2]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and y == labels[2]
+    # channel planes R, G, B of 32x32 row-major, normalised per channel
+    pixels = torch.from_numpy(data[2].reshape(3, 32, 32).astype(np.float32)) / 255
+    mean, std = torch.tensor(CIFAR_MEAN).view(3, 1, 1), torch.tensor(CIFAR_STD).view(3, 1, 1)
+    torch.testing.assert_close(x, (pixels - mean) / std)
+
+    augmented = build_data({**options, "augment": True}, tmp_path)
+    assert augmented.train.augment is not None and augmented.test.augment is None
+    assert augmented.train[0][0].shape == (3, 32, 32)
+
+
+def test_cifar10_md5_checked_when_asked(tmp_path):
+    write_cifar(tmp_path)
+    with pytest.raises(DataError, match=r"data_batch_1 has md5 .*expected .*verify_md5=false"):
+        build_data({"name": "cifar10", "variant": "plain", "download": False}, tmp_path)
+
+
+def test_cifar10_missing_offline_and_download_failure(tmp_path):
+    for download in (False, True):
+        with pytest.raises(DataError) as info:
+            build_data({"name": "cifar10", "variant": "plain", "download": download}, tmp_path)
+        message = str(info.value)
+        assert "data_batch_1" in message and str(tmp_path / "cifar-10-batches-py") in message
+        assert "\n" not in message
+
+
+# --- PCam HDF5 files --------------------------------------------------------------------------
+
+
+def write_pcam(root: Path, sizes=(6, 3, 4)):
+    import h5py
+    import numpy as np
+
+    folder = root / "pcam"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "valid", "test"), sizes, strict=True):
+        stem = folder / f"camelyonpatch_level_2_split_{split}"
+        with h5py.File(f"{stem}_x.h5", "w") as f:
+            f.create_dataset("x", data=rng.integers(0, 256, (n, 96, 96, 3), dtype=np.uint8))
+        with h5py.File(f"{stem}_y.h5", "w") as f:
+            f.create_dataset("y", data=(np.arange(n) % 2).astype(np.uint8).reshape(n, 1, 1, 1))
+
+
+def test_pcam_reads_h5_files_like_torchvision(tmp_path):
+    import pickle
+
+    from torchvision.datasets import PCAM
+    from torchvision.transforms.functional import pil_to_tensor
+
+    write_pcam(tmp_path)
+    bundle = build_data({"name": "pcam", "variant": "plain", "download": False}, tmp_path)
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (6, 3, 4)
+    assert (bundle.spec.num_classes, bundle.spec.in_channels, bundle.spec.image_size) == (2, 3, 96)
+    reference = PCAM(str(tmp_path), split="val", download=False)
+    for i in range(3):
+        x, y = bundle.val[i]
+        image, label = reference[i]
+        assert x.shape == (3, 96, 96) and x.dtype == torch.float32
+        torch.testing.assert_close(x, pil_to_tensor(image).float() / 255)
+        assert y == label
+    # picklable for DataLoader workers, and subsampling keeps labels aligned
+    clone = pickle.loads(pickle.dumps(bundle.train))
+    torch.testing.assert_close(clone[5][0], bundle.train[5][0])
+    small = build_data({"name": "pcam", "variant": "plain", "num_train": 2}, tmp_path)
+    for i in range(2):
+        x, y = small.train[i]
+        j = small.train.indices[i]
+        assert torch.equal(x, bundle.train[j][0]) and y == bundle.train[j][1]
+
+
+def test_pcam_missing_offline_and_download_failure(tmp_path):
+    for download in (False, True):  # True: gdown absent or connection refused, both caught
+        with pytest.raises(DataError) as info:
+            build_data({"name": "pcam", "variant": "plain", "download": download}, tmp_path)
+        message = str(info.value)
+        assert "camelyonpatch_level_2_split_train_x.h5" in message
+        assert str(tmp_path / "pcam") in message and "\n" not in message
+
+
+def test_variant_not_offered_is_rejected(tmp_path):
+    with pytest.raises(DataError, match="variant='rotated' is not available for dataset 'pcam'"):
+        build_data({"name": "pcam", "variant": "rotated"}, tmp_path)

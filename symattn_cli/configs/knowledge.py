@@ -1,7 +1,40 @@
-"""Typed configs of this model family (filled in with the family's models)."""
+"""Typed configs of the knowledge-attention family (``conf/model/ka_*.yaml``, Ma & Ying 2023)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any
 
-SCHEMAS: list[tuple[Optional[str], str, Any]] = []
+
+@dataclass
+class KnowledgeAttentionConfig:
+    family: str = "ka"
+    # g: softmax | sigmoid | kernel | rbf | quartic | general (Prop. 3.2) | perm (Prop. 4.1)
+    form: str = "softmax"
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 3
+    knowledge: int = 0  # knowledge vectors per head (columns of Z_i); 0 = 2 * d_model / heads
+    value_dim: int = 0  # per-head value width; 0 = d_model / heads
+    mlp_hidden: int = 256  # position-wise MLP V σ(U ·) width (Eq. 5.2); 0 = no MLP
+    activation: str = "gelu"  # MLP nonlinearity
+    normalizer: str = ""  # "" = the form's own; softmax | sigmoid | relu | exp | tanh | ...
+    mean_keys: bool = False  # element-wise normalizers: divide by the number of real keys
+    g_hidden: int = 32  # general / perm: hidden width of the networks of invariants
+    g_features: int = 16  # perm: width of ψ's output
+    g_activation: str = "gelu"
+    score_init: str = "attention"  # quadratic form A at start: attention ([[0,I],[0,0]]) | random
+    position: str = (
+        "footnote"  # footnote (base n) | sinusoidal (base position_base) | learned | none
+    )
+    position_base: float = 10000.0
+    position_scale: float = 1.0  # initial scale of the position frame / table
+    norm: bool = True  # scalar-gain RMS norms (rotation equivariant)
+    residual: bool = True
+    vocab_size: int = 0  # 0 = from the data
+    max_len: int = 0  # 0 = from the data (learned positions only)
+
+
+SCHEMAS: list[tuple[str | None, str, Any]] = [
+    ("model", "ka_schema", KnowledgeAttentionConfig),
+]

@@ -1,0 +1,246 @@
+"""Generated seq2seq tasks for knowledge attention: ``arithmetic``, ``sort``, ``reverse``.
+
+Everything is generated from ``split_seed``; nothing is downloaded. Every item is
+``(tokens, targets)``, both int64 (n,): the output has the input's length and the answer is
+read at the ``_`` slots; ``targets`` is :data:`IGNORE_INDEX` everywhere else.
+
+* ``arithmetic`` (``variant=two_digit``, default): ``d d op d d = _ _ _ _`` with op ∈ {+, −};
+  the four slots hold the sign and three digits of the result (47 − 56 → ``- 0 0 9``). All
+  100·100·2 = 20,000 distinct expressions, shuffled and split 80/10/10 by default: no
+  expression is in two splits. ``variant=single_digit``: Ma & Ying's "2 + 1" example,
+  ``d op d = _ _ _`` (sign and two digits), 200 expressions.
+* ``sort`` / ``reverse``: ``s₁ … s_m = _ … _`` (m slots) → the m symbols sorted ascending, or
+  reversed; m is drawn uniformly from [min_len, max_len]. Which split a sequence may appear
+  in is fixed by a seeded hash of its content, so train, validation and test never share a
+  sequence; ``test_long`` (lengths [test_min_len, test_max_len], longer than training)
+  measures length generalisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from symattn_cli.data.base import IGNORE_INDEX, DataBundle, DataError, DataSpec
+
+PAD, SLOT, EQUALS, PLUS, MINUS = "<pad>", "_", "=", "+", "-"
+DIGITS = tuple("0123456789")
+ARITHMETIC_TOKENS = (PAD, SLOT, EQUALS, PLUS, MINUS, *DIGITS)
+VARIANTS = ("two_digit", "single_digit")
+SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train / validation / test
+
+
+class SequenceTask(Dataset):
+    """A list of ``(tokens, targets)`` pairs (int64 tensors of equal length)."""
+
+    def __init__(self, items: Sequence[tuple[list[int], list[int]]]) -> None:
+        self.items = [
+            (torch.tensor(t, dtype=torch.int64), torch.tensor(y, dtype=torch.int64))
+            for t, y in items
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.items[index]
+
+    @property
+    def max_len(self) -> int:
+        return max((len(t) for t, _ in self.items), default=0)
+
+
+class PadCollate:
+    """Pad a batch to its longest sequence: tokens with ``pad_index``, targets with IGNORE."""
+
+    def __init__(self, pad_index: int) -> None:
+        self.pad_index = pad_index
+
+    def __call__(self, batch):
+        n = max(len(t) for t, _ in batch)
+        tokens = torch.full((len(batch), n), self.pad_index, dtype=torch.int64)  # (B, n)
+        targets = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.int64)  # (B, n)
+        for row, (t, y) in enumerate(batch):
+            tokens[row, : len(t)] = t
+            targets[row, : len(y)] = y
+        return tokens, targets
+
+
+# --------------------------------------------------------------------------------------------
+# arithmetic
+# --------------------------------------------------------------------------------------------
+
+
+def arithmetic_item(a: int, op: str, b: int, variant: str) -> tuple[list[int], list[int]]:
+    """Tokens and targets of ``a op b``; the answer is sign + 3 digits (2 for single_digit)."""
+    index = {tok: i for i, tok in enumerate(ARITHMETIC_TOKENS)}
+    result = a + b if op == PLUS else a - b
+    width = 3 if variant == "two_digit" else 2
+    answer = [PLUS if result >= 0 else MINUS, *f"{abs(result):0{width}d}"]
+    operand = (lambda v: f"{v:02d}") if variant == "two_digit" else str
+    prompt = [*operand(a), op, *operand(b), EQUALS]
+    tokens = [index[t] for t in prompt] + [index[SLOT]] * len(answer)
+    targets = [IGNORE_INDEX] * len(prompt) + [index[t] for t in answer]
+    return tokens, targets
+
+
+def decode_arithmetic(tokens: Sequence[int]) -> str:
+    return " ".join(ARITHMETIC_TOKENS[t] for t in tokens if t != 0)
+
+
+def _split_counts(options: dict[str, Any], total: int) -> tuple[int, int, int]:
+    counts = [int(options.get(k) or 0) for k in ("num_train", "num_val", "num_test")]
+    if counts == [0, 0, 0]:
+        n_train = int(round(SPLIT_FRACTIONS[0] * total))
+        n_val = int(round(SPLIT_FRACTIONS[1] * total))
+        return n_train, n_val, total - n_train - n_val
+    if min(counts) < 0 or sum(counts) > total:
+        raise DataError(
+            f"arithmetic has {total} distinct expressions; num_train+num_val+num_test = "
+            f"{sum(counts)} ({counts}) cannot be split without repeats: lower them, or set "
+            "all three to 0 for the 80/10/10 split"
+        )
+    if 0 in counts:
+        raise DataError(f"split sizes {counts} must all be positive (or all 0 for 80/10/10)")
+    return counts[0], counts[1], counts[2]
+
+
+def build_arithmetic(options: dict[str, Any]) -> DataBundle:
+    variant = options.get("variant", "two_digit")
+    if variant not in VARIANTS:
+        raise DataError(f"data.variant={variant!r} is unknown for arithmetic; use {VARIANTS}")
+    top = 100 if variant == "two_digit" else 10
+    expressions = [(a, op, b) for a in range(top) for op in (PLUS, MINUS) for b in range(top)]
+    order = np.random.default_rng(int(options.get("split_seed", 0))).permutation(len(expressions))
+    n_train, n_val, n_test = _split_counts(options, len(expressions))
+    chosen = [expressions[i] for i in order]
+    parts = (
+        chosen[:n_train],
+        chosen[n_train : n_train + n_val],
+        chosen[n_train + n_val : n_train + n_val + n_test],
+    )
+    train, val, test = (
+        SequenceTask([arithmetic_item(a, op, b, variant) for a, op, b in part]) for part in parts
+    )
+    return _bundle(train, val, test, {}, ARITHMETIC_TOKENS)
+
+
+# --------------------------------------------------------------------------------------------
+# sort / reverse
+# --------------------------------------------------------------------------------------------
+
+
+def symbol_tokens(num_symbols: int) -> tuple[str, ...]:
+    return (PAD, SLOT, EQUALS, *DIGITS[:num_symbols])
+
+
+def ordering_item(symbols: Sequence[int], task: str) -> tuple[list[int], list[int]]:
+    """``s₁ … s_m = _ … _`` → sorted or reversed symbols at the slots (ids offset by 3)."""
+    offset = 3  # PAD, SLOT, EQUALS come first
+    answer = sorted(symbols) if task == "sort" else list(reversed(symbols))
+    m = len(symbols)
+    tokens = [s + offset for s in symbols] + [2] + [1] * m
+    targets = [IGNORE_INDEX] * (m + 1) + [s + offset for s in answer]
+    return tokens, targets
+
+
+def _bucket(symbols: Sequence[int], seed: int) -> float:
+    """A seeded hash of the content in [0, 1): which split this sequence may belong to."""
+    key = seed.to_bytes(8, "little", signed=True) + bytes(symbols)
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def _draw(rng, count, lengths, num_symbols, seed, lo, hi, what):
+    items, draws, limit = [], 0, 200 * count + 10_000
+    while len(items) < count:
+        draws += 1
+        if draws > limit:
+            raise DataError(
+                f"could not draw {count} {what} sequences of lengths {lengths[0]}..{lengths[1]} "
+                f"over {num_symbols} symbols that no other split contains; raise num_symbols "
+                "or the lengths, or lower the split sizes"
+            )
+        m = int(rng.integers(lengths[0], lengths[1] + 1))
+        symbols = [int(s) for s in rng.integers(0, num_symbols, size=m)]
+        if lo <= _bucket(symbols, seed) < hi:
+            items.append(symbols)
+    return items
+
+
+def build_ordering(task: str, options: dict[str, Any]) -> DataBundle:
+    num_symbols = int(options.get("num_symbols", 10))
+    min_len, max_len = int(options.get("min_len", 4)), int(options.get("max_len", 8))
+    test_min = int(options.get("test_min_len") or 0) or max_len + 1
+    test_max = int(options.get("test_max_len") or 0) or max(test_min, 2 * max_len)
+    if not 2 <= num_symbols <= len(DIGITS):
+        raise DataError(f"data.num_symbols={num_symbols} must be between 2 and {len(DIGITS)}")
+    if min_len < 1:
+        raise DataError(f"data.min_len={min_len} must be at least 1")
+    if min_len > max_len:
+        raise DataError(
+            f"data.min_len={min_len} is larger than data.max_len={max_len}; "
+            f"set data.max_len >= {min_len} (or lower data.min_len)"
+        )
+    if test_min > test_max:
+        raise DataError(
+            f"data.test_min_len={test_min} is larger than data.test_max_len={test_max}; "
+            f"set data.test_max_len >= {test_min}"
+        )
+    counts = {k: int(options.get(k) or 0) for k in ("num_train", "num_val", "num_test")}
+    counts["num_test_long"] = int(options.get("num_test_long") or counts["num_test"])
+    for key, value in counts.items():
+        if value < 1:
+            raise DataError(f"data.{key}={value} must be positive for {task}")
+    seed = int(options.get("split_seed", 0))
+    rng = np.random.default_rng(seed)
+    edges = np.cumsum((0.0, *SPLIT_FRACTIONS))
+    train_len = (min_len, max_len)
+    long_len = (test_min, test_max)
+    splits = {
+        "train": _draw(
+            rng, counts["num_train"], train_len, num_symbols, seed, *edges[0:2], "train"
+        ),
+        "val": _draw(rng, counts["num_val"], train_len, num_symbols, seed, *edges[1:3], "val"),
+        "test": _draw(rng, counts["num_test"], train_len, num_symbols, seed, *edges[2:4], "test"),
+        "test_long": _draw(
+            rng, counts["num_test_long"], long_len, num_symbols, seed, *edges[2:4], "test_long"
+        ),
+    }
+    data = {k: SequenceTask([ordering_item(s, task) for s in v]) for k, v in splits.items()}
+    tokens = symbol_tokens(num_symbols)
+    return _bundle(
+        data["train"], data["val"], data["test"], {"test_long": data["test_long"]}, tokens
+    )
+
+
+def _bundle(train, val, test, extra, tokens) -> DataBundle:
+    max_len = max(s.max_len for s in (train, val, test, *extra.values()))
+    spec = DataSpec(
+        task="tokens",
+        num_classes=len(tokens),
+        vocab_size=len(tokens),
+        max_len=max_len,
+        pad_index=0,
+        arch="sequence",
+        tokens=tuple(tokens),
+    )
+    return DataBundle(
+        train=train, val=val, test=test, spec=spec, collate=PadCollate(0), extra_tests=extra
+    )
+
+
+def build(name: str, options: dict[str, Any], root: Path) -> DataBundle:
+    """Generate dataset ``name`` (``arithmetic`` | ``sort`` | ``reverse``); ``root`` is unused."""
+    options = dict(options)
+    if name == "arithmetic":
+        return build_arithmetic(options)
+    if name in ("sort", "reverse"):
+        return build_ordering(name, options)
+    raise DataError(f"dataset {name!r} is not a sequence task; use arithmetic, sort or reverse")

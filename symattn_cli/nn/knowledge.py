@@ -1,0 +1,690 @@
+"""Knowledge attention (Ma & Ying 2023): seq2seq layers O(d)-equivariant with knowledge.
+
+Layout, stated once. The paper writes a sequence as columns, X ∈ R^{d×n}, and knowledge as
+Z ∈ R^{d×k}. This code stores sequences as rows, ``x`` of shape (B, n, d): row t of ``x[b]`` is
+the paper's column x_t, i.e. ``X = x[b].T``. The translations used everywhere below:
+
+    paper                    rows (this code)
+    X ∈ R^{d×n}              x: (B, n, d)
+    QX (Q ∈ O(d))            x @ Q.T
+    XP (P ∈ S_n, columns)    P.T @ x
+    Zᵀ X ∈ R^{k×n}           y = x @ Z: (B, h, n, k)   (one Z_i per head)
+    f(X) = X g,  g ∈ R^{n×n}  out = a @ x with a = gᵀ, a[j, i] = g_{ij}
+
+so ``a[..., j, i]`` is the weight of input token i in output token j (query j, key i), and a
+softmax "over rows" S_r of the paper is a softmax over the last (key) axis here: the paper's
+self-attention Eq. (2.1) reads X + W_V X S_rᵀ, whose S_rᵀ is exactly our ``a``.
+
+Letters: B batch, n tokens (queries j, keys i), m external knowledge vectors, d embedding,
+h heads, k knowledge vectors per head (columns of Z_i), u keys of the general form (n tokens
+then k knowledge vectors), v value width, p ψ-feature width, F invariant features, H hidden
+width, V vocabulary.
+
+Transformation laws (checked numerically in :mod:`symattn_cli.verify.knowledge`):
+
+* orthogonal equivariance with knowledge (Def. 3.2): every parameter with an index in the
+  embedding space is knowledge; each such index moves with Q (Z → QZ, a map W → QWQᵀ,
+  an MLP V σ(U ·) → (QV) σ(UQᵀ ·)). Each module below lists, in ``embedding_axes``, which
+  axes of each of its parameters are embedding indices, and :func:`rotate_embedding` applies Q
+  to exactly those. f(QX, QZ, QWQᵀ) = Q f(X, Z, W).
+* element-wise permutation equivariance (Def. 4.1): without a position encoding every layer
+  here satisfies f(XP) = f(X)P, equivalently f(PX) = P f(X) in rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding-space bookkeeping: which parameter axes are embedding indices
+# --------------------------------------------------------------------------------------------
+
+
+def rotate_axes(tensor: torch.Tensor, q: torch.Tensor, axes: Iterable[int]) -> torch.Tensor:
+    """Apply the orthogonal ``q`` (d, d) to each listed axis: t'_{..a..} = Σ_c q_{ac} t_{..c..}.
+
+    For a map W with both indices in the embedding space this is Q W Qᵀ; for a row-layout
+    matrix whose axis 1 is the embedding (e.g. W_V: (v, d)) it is W_V Qᵀ.
+    """
+    out = tensor
+    for axis in axes:
+        out = torch.tensordot(q, out, dims=([1], [axis]))  # axis moved to the front
+        out = torch.movedim(out, 0, axis)  # back in place
+    return out
+
+
+def rotate_embedding(
+    module: nn.Module,
+    q: torch.Tensor,
+    include: Callable[[str], bool] | None = None,
+) -> nn.Module:
+    """A deep copy of ``module`` with Q applied to every embedding-space parameter index.
+
+    ``include(name)`` (dotted parameter name) restricts the rotation to some parameters, e.g.
+    the token embedding alone for the negative control. Every module that owns parameters
+    must declare ``embedding_axes`` for each of them (an empty tuple: invariant, e.g. a
+    quadratic form A acting on knowledge coordinates); an undeclared parameter raises
+    ``TypeError``, so a new layer cannot silently escape the transformation law.
+    """
+    rotated = copy.deepcopy(module)
+    with torch.no_grad():
+        for prefix, sub in rotated.named_modules():
+            own = dict(sub.named_parameters(recurse=False))
+            if not own:
+                continue
+            declared = getattr(type(sub), "embedding_axes", None)
+            if declared is None:
+                raise TypeError(
+                    f"{type(sub).__name__} at {prefix or '<root>'} owns parameters "
+                    f"{sorted(own)} but declares no embedding_axes; declare them"
+                )
+            for name, param in own.items():
+                if name not in declared:
+                    raise TypeError(
+                        f"{type(sub).__name__}.{name} has no entry in embedding_axes; declare "
+                        "its embedding-space axes (an empty tuple if it is invariant)"
+                    )
+                full = f"{prefix}.{name}" if prefix else name
+                axes = declared[name]
+                if axes and (include is None or include(full)):
+                    param.copy_(rotate_axes(param, q.to(param), axes))
+    return rotated
+
+
+# --------------------------------------------------------------------------------------------
+# Small networks of invariants (parameters act on invariant coordinates only)
+# --------------------------------------------------------------------------------------------
+
+
+class HeadwiseMLP(nn.Module):
+    """A one-hidden-layer network per head on a concatenation of broadcastable arguments.
+
+    ``forward(*args)``: each argument has shape (B, h, ..., F_a) with the head at axis 1; the
+    first layer is applied per argument and the results are broadcast-added, so ψ(y_k, y_i, y_j)
+    over all (k, i, j) costs one (n, n, n, H) activation instead of concatenating copies.
+    Parameters act on invariant features only: they do not move with Q.
+    """
+
+    embedding_axes = {"first": (), "bias": (), "second": (), "out_bias": ()}
+
+    def __init__(
+        self,
+        *,
+        heads: int,
+        in_features: Iterable[int],
+        hidden: int,
+        out_features: int,
+        activation: Activation,
+    ) -> None:
+        super().__init__()
+        self.in_features = tuple(in_features)
+        total = sum(self.in_features)
+        self.first = nn.Parameter(torch.randn(heads, total, hidden) / math.sqrt(total))
+        self.bias = nn.Parameter(torch.zeros(heads, hidden))
+        self.second = nn.Parameter(torch.randn(heads, hidden, out_features) / math.sqrt(hidden))
+        self.out_bias = nn.Parameter(torch.zeros(heads, out_features))
+        self.activation = activation
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if len(args) != len(self.in_features):
+            raise ValueError(f"expected {len(self.in_features)} arguments, got {len(args)}")
+        pre = None
+        for weight, arg in zip(torch.split(self.first, self.in_features, dim=1), args, strict=True):
+            bsz, heads, *between, feat = arg.shape
+            flat = arg.reshape(bsz, heads, -1, feat)  # (B, h, S, F): S = the broadcast axes
+            term = torch.einsum("bhsf,hfH->bhsH", flat, weight)  # (B, h, S, H)
+            term = term.reshape(bsz, heads, *between, -1)  # (B, h, ..., H)
+            pre = term if pre is None else pre + term  # broadcast-add over the arguments
+        bsz, heads, *between, hidden = pre.shape
+        ones = (1,) * len(between)
+        hidden_act = self.activation(pre + self.bias.reshape(heads, *ones, hidden))
+        flat = hidden_act.reshape(bsz, heads, -1, hidden)  # (B, h, S, H)
+        out = torch.einsum("bhsH,hHo->bhso", flat, self.second)  # (B, h, S, O)
+        out = out.reshape(bsz, heads, *between, -1)  # (B, h, ..., O)
+        return out + self.out_bias.reshape(heads, *ones, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Coefficient functions g: invariants -> weights a (B, h, n, keys)
+# --------------------------------------------------------------------------------------------
+
+
+class Invariants:
+    """The O(d)-invariant inputs of g for one call (Prop. 3.2): ZᵀX and, when asked, XᵀX, ZᵀZ.
+
+    ``zx`` (B, h, n, k): y = Z_iᵀ X per head, in rows; ``xx`` (B, n, n); ``zz`` (B, h, k, k);
+    ``mask`` (B, n) True at real (non-padded) tokens.
+    """
+
+    def __init__(self, zx, mask, xx=None, zz=None) -> None:
+        self.zx, self.mask, self.xx, self.zz = zx, mask, xx, zz
+
+
+class Score(nn.Module):
+    """Base of the score functions s(Y) (B, h, n, n) of the simplified form g(ZᵀX)."""
+
+    embedding_axes: dict[str, tuple[int, ...]] = {}
+
+
+class QuadraticScore(Score):
+    """s_ji = scale · y_jᵀ A y_i: the quadratic form of Eq. (3.2), YᵀAY in the paper.
+
+    ``init="attention"`` starts from A = [[0, I], [0, 0]] (Sec. 3.2), which makes
+    Z = [W_Qᵀ, W_Kᵀ] standard attention; A itself acts on knowledge coordinates: invariant.
+    """
+
+    embedding_axes = {"form": ()}
+
+    def __init__(self, *, heads: int, knowledge: int, scale: float, init: str = "attention"):
+        super().__init__()
+        if init == "attention":
+            if knowledge % 2:
+                raise ValueError(f"knowledge={knowledge} must be even for A = [[0, I], [0, 0]]")
+            half = knowledge // 2
+            form = torch.zeros(heads, knowledge, knowledge)
+            form[:, :half, half:] = torch.eye(half)
+        elif init == "random":
+            form = torch.randn(heads, knowledge, knowledge) / math.sqrt(knowledge)
+        else:
+            raise ValueError(f"init={init!r} is unknown; use 'attention' or 'random'")
+        self.form = nn.Parameter(form)
+        self.scale = scale
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        y = inv.zx
+        left = torch.einsum("bhjk,hkl->bhjl", y, self.form)  # (B, h, n, k)
+        return self.scale * torch.einsum("bhjl,bhil->bhji", left, y)  # (B, h, n, n)
+
+
+class InnerProductScore(Score):
+    """s_ji = scale · y_jᵀ y_i: the inner-product kernel K(y_j, y_i) = σ(y_jᵀy_i) (Sec. 3.3)."""
+
+    def __init__(self, *, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        return self.scale * torch.einsum("bhjk,bhik->bhji", inv.zx, inv.zx)  # (B, h, n, n)
+
+
+class RBFScore(Score):
+    """s_ji = −γ_h ‖y_j − y_i‖²; exp or softmax of it: the RBF kernel φ(‖y_i − y_j‖) (Sec. 3.3).
+
+    γ_h = scale · exp(log_gamma_h) > 0 is learned per head (invariant).
+    """
+
+    embedding_axes = {"log_gamma": ()}
+
+    def __init__(self, *, heads: int, scale: float):
+        super().__init__()
+        self.log_gamma = nn.Parameter(torch.zeros(heads))
+        self.scale = scale
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        y = inv.zx
+        sq = (y * y).sum(-1)  # (B, h, n)
+        cross = torch.einsum("bhjk,bhik->bhji", y, y)  # (B, h, n, n)
+        dist2 = (sq[..., :, None] + sq[..., None, :] - 2 * cross).clamp_min(0)  # (B, h, n, n)
+        gamma = self.scale * self.log_gamma.exp()[None, :, None, None]  # (1, h, 1, 1)
+        return -gamma * dist2
+
+
+class QuarticScore(QuadraticScore):
+    """Quadratic plus the next term of Eq. (3.2): Yᵀ A Y + Yᵀ B (Y Yᵀ / n) C Y.
+
+    The quartic product Yᵀ B Y Yᵀ C Y is the K_i = 4 term of Eq. (3.2) (the middle Y Yᵀ is
+    Σ_t y_t y_tᵀ over real tokens); dividing it by the number of real tokens n keeps its size
+    independent of n. B, C act on knowledge coordinates and start at zero, so training starts
+    from the quadratic (attention) form. Permutation invariant in the middle sum.
+    """
+
+    embedding_axes = {"form": (), "left4": (), "right4": ()}
+
+    def __init__(self, *, heads: int, knowledge: int, scale: float, init: str = "attention"):
+        super().__init__(heads=heads, knowledge=knowledge, scale=scale, init=init)
+        self.left4 = nn.Parameter(torch.zeros(heads, knowledge, knowledge))
+        self.right4 = nn.Parameter(torch.randn(heads, knowledge, knowledge) / math.sqrt(knowledge))
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        y = inv.zx
+        maskf = inv.mask.to(y.dtype)  # (B, n)
+        count = maskf.sum(-1).clamp_min(1)[:, None, None, None]  # (B, 1, 1, 1)
+        moment = torch.einsum("bhtk,bhtl,bt->bhkl", y, y, maskf) / count  # (B, h, k, k)
+        middle = torch.einsum("hkl,bhlm,hmo->bhko", self.left4, moment, self.right4)  # (B,h,k,k)
+        left = torch.einsum("bhjk,bhko->bhjo", y, middle)  # (B, h, n, k)
+        quartic = torch.einsum("bhjo,bhio->bhji", left, y)  # (B, h, n, n)
+        return super().forward(inv) + self.scale * self.scale * quartic
+
+
+class SoftmaxNormalizer(nn.Module):
+    """a_ji = softmax over real keys i of s_ji (the paper's S_r, transposed into ``a``)."""
+
+    def forward(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        keep = key_mask[:, None, None, :]  # (B, 1, 1, keys)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+
+class ElementwiseNormalizer(nn.Module):
+    """a_ji = σ(s_ji) at real keys, 0 at padding: the element-wise nonlinearity of Eq. (3.2).
+
+    ``mean=True`` divides by the number of real keys (a scalar, no parameter), which keeps the
+    output size independent of n for length generalisation.
+    """
+
+    def __init__(self, activation: Activation, *, mean: bool = False):
+        super().__init__()
+        self.activation = activation
+        self.mean = mean
+
+    def forward(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        keep = key_mask[:, None, None, :].to(scores.dtype)  # (B, 1, 1, keys)
+        weights = self.activation(scores) * keep
+        if self.mean:
+            weights = weights / keep.sum(-1, keepdim=True).clamp_min(1)
+        return weights
+
+
+class Coefficients(nn.Module):
+    """g(ZᵀX) = normalizer(score(ZᵀX)): the simplified form's coefficients (Sec. 3.2–3.3).
+
+    Satisfies g(Zᵀ(QX)) with Z → QZ unchanged (it sees ZᵀX only) and, with no position
+    information, g(P·) = P g(·) Pᵀ on its two token axes. Parameter count independent of n
+    (Assumption 3.1).
+    """
+
+    embedding_axes: dict[str, tuple[int, ...]] = {}
+    uses_gram = False  # needs XᵀX and ZᵀZ (general form only)
+    knowledge_keys = False  # keys include the knowledge vectors (the Z g₂ term)
+
+    def __init__(self, score: Score, normalizer: nn.Module):
+        super().__init__()
+        self.score = score
+        self.normalizer = normalizer
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        return self.normalizer(self.score(inv), inv.mask)  # (B, h, n, n)
+
+
+class GeneralCoefficients(nn.Module):
+    """[g₁; g₂](XᵀX, ZᵀX, ZᵀZ) of Ma & Ying Prop. 3.2, Eq. (3.1), read as X̃ g(X̃ᵀX̃), X̃ = [X, Z].
+
+    For output token j and key u (a token x_i, or a knowledge vector z_a) the weight is a
+    small per-head network of invariants only:
+    φ(x_jᵀx̃_u, x̃_uᵀx̃_u, x_jᵀx_j, Zᵀx_j, Zᵀx̃_u, [u is knowledge]) (F = 2k + 4 numbers,
+    inner products divided by d), normalised by a softmax over the n + k keys. Its parameter
+    count depends on k and the hidden width, never on n (Assumption 3.1). The first n key
+    columns are g₁ᵀ, the last k are g₂ᵀ.
+    """
+
+    embedding_axes: dict[str, tuple[int, ...]] = {}
+    uses_gram = True
+    knowledge_keys = True
+
+    def __init__(
+        self, *, heads: int, knowledge: int, hidden: int, activation: Activation, d_model: int
+    ):
+        super().__init__()
+        self.net = HeadwiseMLP(
+            heads=heads,
+            in_features=(3, knowledge, knowledge, 1),
+            hidden=hidden,
+            out_features=1,
+            activation=activation,
+        )
+        self.inv_scale = 1.0 / d_model
+        self.normalizer = SoftmaxNormalizer()
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        zx, xx, zz = inv.zx, inv.xx, inv.zz  # (B,h,n,k), (B,n,n), (B,h,k,k)
+        bsz, heads, n, k = zx.shape
+        s = self.inv_scale
+        diag_x = torch.diagonal(xx, dim1=-2, dim2=-1)  # (B, n): x_jᵀx_j
+        diag_z = torch.diagonal(zz, dim1=-2, dim2=-1)  # (B, h, k): z_aᵀz_a
+        # pairwise scalars (x_jᵀx̃_u, x̃_uᵀx̃_u, x_jᵀx_j) for u = tokens then knowledge
+        tok = torch.stack(
+            [xx, diag_x[:, None, :].expand(bsz, n, n), diag_x[:, :, None].expand(bsz, n, n)], -1
+        )  # (B, n_j, n_i, 3)
+        tok = tok[:, None].expand(bsz, heads, n, n, 3)  # (B, h, n, n, 3)
+        kno = torch.stack(
+            [
+                zx,  # x_jᵀ z_a: (B, h, n_j, k_a)
+                diag_z[:, :, None, :].expand(bsz, heads, n, k),
+                diag_x[:, None, :, None].expand(bsz, heads, n, k),
+            ],
+            -1,
+        )  # (B, h, n, k, 3)
+        pair = s * torch.cat([tok, kno], dim=3)  # (B, h, n, n+k, 3)
+        key_proj = s * torch.cat([zx, zz.transpose(-1, -2)], dim=2)  # (B, h, n+k, k): Zᵀx̃_u
+        query_proj = s * zx  # (B, h, n, k): Zᵀx_j
+        flag = torch.cat([zx.new_zeros(n), zx.new_ones(k)])  # (n+k,)
+        flag = flag.reshape(1, 1, 1, n + k, 1).expand(bsz, heads, 1, n + k, 1)
+        scores = self.net(
+            pair, query_proj[:, :, :, None, :], key_proj[:, :, None, :, :], flag
+        ).squeeze(-1)  # (B, h, n, n+k)
+        key_mask = torch.cat([inv.mask, inv.mask.new_ones(bsz, k)], dim=1)  # (B, n+k)
+        return self.normalizer(scores, key_mask)
+
+
+class PermutationCoefficients(nn.Module):
+    """g̃(ZᵀX) in the ρ/ψ form of Ma & Ying Prop. 4.1 (O(n³) in the sequence length).
+
+    g̃_ii = ρ₁(Zᵀx_i, Σ_{k≠i} ψ₁(Zᵀx_k, Zᵀx_i)),
+    g̃_ij = ρ₂(Zᵀx_i, Zᵀx_j, Σ_{k≠i,j} ψ₂(Zᵀx_k, Zᵀx_i, Zᵀx_j))   (i ≠ j),
+    f(X, Z) = X g̃, so a[j, i] = g̃_ij. ρ, ψ are callables on broadcastable (B, h, …, k)
+    tensors (learned :class:`HeadwiseMLP` by default; :mod:`symattn_cli.verify.knowledge`
+    passes the closed forms of Remark 4.1). ``normalize="softmax"`` passes g̃ through a
+    softmax over keys (still permutation equivariant, hence still of Prop. 4.1's form);
+    ``"none"`` returns g̃ as written. Sums run over real (non-padded) tokens only.
+    """
+
+    embedding_axes: dict[str, tuple[int, ...]] = {}
+    uses_gram = False
+    knowledge_keys = False
+
+    def __init__(self, *, rho1, psi1, rho2, psi2, normalize: str = "softmax"):
+        super().__init__()
+        if normalize not in ("softmax", "none"):
+            raise ValueError(f"normalize={normalize!r} is unknown; use 'softmax' or 'none'")
+        self.rho1, self.psi1, self.rho2, self.psi2 = rho1, psi1, rho2, psi2
+        self.normalize = normalize
+
+    @classmethod
+    def learned(
+        cls,
+        *,
+        heads: int,
+        knowledge: int,
+        features: int,
+        hidden: int,
+        activation: Activation,
+        normalize: str = "softmax",
+    ) -> PermutationCoefficients:
+        def mlp(parts, out):
+            return HeadwiseMLP(
+                heads=heads,
+                in_features=parts,
+                hidden=hidden,
+                out_features=out,
+                activation=activation,
+            )
+
+        k, p = knowledge, features
+        return cls(
+            psi1=mlp((k, k), p),
+            rho1=mlp((k, p), 1),
+            psi2=mlp((k, k, k), p),
+            rho2=mlp((k, k, p), 1),
+            normalize=normalize,
+        )
+
+    def forward(self, inv: Invariants) -> torch.Tensor:
+        y, mask = inv.zx, inv.mask  # (B, h, n, k), (B, n)
+        n = y.shape[2]
+        eye = torch.eye(n, dtype=torch.bool, device=y.device)
+        y_k = y[:, :, :, None, None, :]  # (B, h, n_k, 1, 1, k)
+        y_i = y[:, :, None, :, None, :]  # (B, h, 1, n_i, 1, k)
+        y_j = y[:, :, None, None, :, :]  # (B, h, 1, 1, n_j, k)
+        real_k = mask[:, None, :, None].to(y.dtype)  # (B, 1, n_k, 1)
+        # diagonal: Σ_{k≠i} ψ₁(y_k, y_i)
+        psi1 = self.psi1(y[:, :, :, None, :], y[:, :, None, :, :])  # (B, h, n_k, n_i, p)
+        keep1 = real_k * (~eye).to(y.dtype)  # (B, 1, n_k, n_i)
+        sum1 = (psi1 * keep1[..., None]).sum(2)  # (B, h, n_i, p)
+        diag = self.rho1(y, sum1)[..., 0]  # (B, h, n_i)
+        # off-diagonal: Σ_{k≠i,j} ψ₂(y_k, y_i, y_j)
+        psi2 = self.psi2(y_k, y_i, y_j)  # (B, h, n_k, n_i, n_j, p)
+        not_ij = ~(eye[:, :, None] | eye[:, None, :])  # (n_k, n_i, n_j)
+        keep2 = real_k[..., None] * not_ij.to(y.dtype)  # (B, 1, n_k, n_i, n_j)
+        sum2 = (psi2 * keep2[..., None]).sum(2)  # (B, h, n_i, n_j, p)
+        off = self.rho2(y[:, :, :, None, :], y[:, :, None, :, :], sum2)[..., 0]  # (B,h,n_i,n_j)
+        g = torch.where(eye, torch.diag_embed(diag), off)  # (B, h, n_i, n_j): g̃_ij
+        a = g.transpose(-1, -2)  # (B, h, n_j, n_i): a[j, i] = g̃_ij
+        if self.normalize == "softmax":
+            return SoftmaxNormalizer()(a, mask)
+        return a * mask[:, None, None, :].to(a.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The shared core: f(X, Z) = Σ_i W_i X̃ g_i  (Eqs. 3.1, 5.1, 5.3)
+# --------------------------------------------------------------------------------------------
+
+
+class KnowledgeAttention(nn.Module):
+    """Multi-head knowledge attention Σ_i W_i X g_i(Z_iᵀX) (Ma & Ying Eqs. 5.1, 5.3, Prop. 3.2).
+
+    One core for every form: ``coefficients`` is the g (a :class:`Coefficients`,
+    :class:`GeneralCoefficients` or :class:`PermutationCoefficients`). W_i = W_out,i W_V,i
+    (d×v)(v×d) is the per-head change of embedding (5.1). Knowledge per head is
+    Z_i = [learned (d×k), external (d×m)]: ``knowledge`` learned columns (may be 0) and,
+    when ``external > 0``, the m vectors passed to ``forward`` as ``knowledge`` (B, m, d) rows
+    (e.g. another sequence's representation), shared by all heads. With the general
+    coefficients the knowledge vectors are also values (the Z g₂ term of Eq. 3.1).
+
+    Law: f(QX, QZ; QWQᵀ) = Q f(X, Z; W) for every orthogonal Q (Def. 3.2), where Z includes
+    the external knowledge; f(XP, Z) = f(X, Z)P for permutations P of the tokens (Def. 4.1).
+    """
+
+    embedding_axes = {"z": (1,), "w_value": (2,), "w_out": (1,)}
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        heads: int,
+        knowledge: int,
+        value_dim: int,
+        coefficients: nn.Module,
+        external: int = 0,
+        init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if knowledge + external < 1:
+            raise ValueError("need at least one knowledge vector per head (knowledge + external)")
+        self.heads, self.knowledge, self.external = heads, knowledge, external
+        self.z = nn.Parameter(
+            torch.randn(heads, d_model, knowledge) * init_scale / math.sqrt(d_model)
+        )
+        self.w_value = nn.Parameter(torch.randn(heads, value_dim, d_model) / math.sqrt(d_model))
+        self.w_out = nn.Parameter(
+            torch.randn(heads, d_model, value_dim) / math.sqrt(value_dim * heads)
+        )
+        self.coefficients = coefficients
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        knowledge: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` (B, n, d) rows; ``mask`` (B, n) True at real tokens; ``knowledge`` (B, m, d)."""
+        bsz, n, _ = x.shape
+        if mask is None:
+            mask = torch.ones(bsz, n, dtype=torch.bool, device=x.device)
+        z = self.z[None].expand(bsz, -1, -1, -1)  # (B, h, d, k)
+        if self.external:
+            if knowledge is None or knowledge.shape[1] != self.external:
+                got = None if knowledge is None else tuple(knowledge.shape)
+                raise ValueError(
+                    f"this layer was built for external knowledge of {self.external} vectors "
+                    f"(B, {self.external}, d); got {got}"
+                )
+            ext = knowledge.transpose(1, 2)[:, None].expand(-1, self.heads, -1, -1)  # (B,h,d,m)
+            z = torch.cat([z, ext], dim=-1)  # (B, h, d, k+m)
+        elif knowledge is not None:
+            raise ValueError("this layer takes no external knowledge (built with external=0)")
+        zx = torch.einsum("bnd,bhdk->bhnk", x, z)  # (B, h, n, k): (Z_iᵀ X)ᵀ
+        coef = self.coefficients
+        if coef.uses_gram:
+            xx = torch.einsum("bjd,bid->bji", x, x)  # (B, n, n): XᵀX
+            zz = torch.einsum("bhdk,bhdl->bhkl", z, z)  # (B, h, k, k): ZᵀZ
+            inv = Invariants(zx, mask, xx=xx, zz=zz)
+        else:
+            inv = Invariants(zx, mask)
+        a = coef(inv)  # (B, h, n, keys): keys = n, or n + k with knowledge values
+        values = x[:, None].expand(-1, self.heads, -1, -1)  # (B, h, n, d): columns of X
+        if coef.knowledge_keys:
+            values = torch.cat([values, z.transpose(-1, -2)], dim=2)  # (B, h, n+k, d): X̃
+        values = torch.einsum("bhud,hvd->bhuv", values, self.w_value)  # (B, h, keys, v)
+        mixed = torch.einsum("bhju,bhuv->bhjv", a, values)  # (B, h, n, v): (W_V X̃ g)ᵀ
+        return torch.einsum("bhjv,hdv->bjd", mixed, self.w_out)  # (B, n, d): Σ_i W_i X̃ g_i
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks: rotation-equivariant norm, position-wise MLP, residual stack
+# --------------------------------------------------------------------------------------------
+
+
+class ScalarRMSNorm(nn.Module):
+    """x / rms(x) · γ with one scalar γ: rotation equivariant, N(xQᵀ) = N(x)Qᵀ.
+
+    LayerNorm is not: its per-coordinate mean and gains single out the basis.
+    """
+
+    embedding_axes = {"gain": ()}
+
+    def __init__(self, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = x.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()  # (B, n, 1)
+        return x / rms * self.gain
+
+
+class PositionwiseMLP(nn.Module):
+    """V σ(U x + b) + c on each token (Ma & Ying Eq. 5.2); law: (QV, UQᵀ, b, Qc).
+
+    U (H, d) has its embedding index on axis 1, V (d, H) and c (d,) on axis 0.
+    """
+
+    embedding_axes = {"u": (1,), "b": (), "v": (0,), "c": (0,)}
+
+    def __init__(self, *, d_model: int, hidden: int, activation: Activation) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(hidden, d_model) / math.sqrt(d_model))
+        self.b = nn.Parameter(torch.zeros(hidden))
+        self.v = nn.Parameter(torch.randn(d_model, hidden) / math.sqrt(hidden))
+        self.c = nn.Parameter(torch.zeros(d_model))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.activation(torch.einsum("bnd,Hd->bnH", x, self.u) + self.b)  # (B, n, H)
+        return torch.einsum("bnH,dH->bnd", hidden, self.v) + self.c  # (B, n, d)
+
+
+class KnowledgeBlock(nn.Module):
+    """h ← h + A(N(h)); h ← h + M(N(h)): one stacked layer of Sec. 5 with residual links.
+
+    A is a :class:`KnowledgeAttention`, M an optional :class:`PositionwiseMLP`, N a scalar
+    RMS norm (``norm=None`` for none). Equivariant with knowledge and permutation
+    equivariant because each part is.
+    """
+
+    embedding_axes: dict[str, tuple[int, ...]] = {}
+
+    def __init__(
+        self,
+        *,
+        attention: KnowledgeAttention,
+        mlp: PositionwiseMLP | None,
+        norm: Callable[[], nn.Module] | None = ScalarRMSNorm,
+        residual: bool = True,
+    ) -> None:
+        super().__init__()
+        self.attention = attention
+        self.mlp = mlp
+        self.norm1 = norm() if norm is not None else nn.Identity()
+        self.norm2 = norm() if (norm is not None and mlp is not None) else nn.Identity()
+        self.residual = residual
+
+    def forward(self, x, mask=None, knowledge=None):
+        update = self.attention(self.norm1(x), mask, knowledge)
+        x = x + update if self.residual else update
+        if self.mlp is not None:
+            update = self.mlp(self.norm2(x))
+            x = x + update if self.residual else update
+        return x
+
+
+# --------------------------------------------------------------------------------------------
+# Position encoding (Ma & Ying footnote 1): knowledge too, P → QP
+# --------------------------------------------------------------------------------------------
+
+
+def sinusoid_table(lengths: torch.Tensor, n: int, width: int, base: float | None) -> torch.Tensor:
+    """Sinusoids S (B, n, width) in rows; zero at positions ≥ each sequence's length.
+
+    ``base=None``: Ma & Ying footnote 1 as written, with the sequence's own length n_b as base
+    and 1-based i, j: S_{j, 2i−1} = sin(j / n_b^{2i/w}), S_{j, 2i} = cos(j / n_b^{2i/w}),
+    i = 1…w/2, j = 1…n_b. ``base=10000.0`` (or any number): the usual encoding of Vaswani
+    et al., 0-based: S_{j, 2i} = sin(j / base^{2i/w}), S_{j, 2i+1} = cos(…), i = 0…w/2−1.
+    """
+    if width % 2:
+        raise ValueError(f"the sinusoid width {width} must be even (sin/cos pairs)")
+    device = lengths.device
+    half = torch.arange(width // 2, dtype=torch.float64, device=device)  # (w/2,)
+    pos = torch.arange(n, dtype=torch.float64, device=device)  # (n,)
+    if base is None:
+        exponent = 2 * (half + 1) / width  # 2i/w, i = 1…w/2
+        log_base = lengths.to(torch.float64).clamp_min(1).log()  # (B,)
+        inv_freq = torch.exp(-exponent[None, :] * log_base[:, None])  # (B, w/2)
+        angle = (pos + 1)[None, :, None] * inv_freq[:, None, :]  # (B, n, w/2), j = 1…n
+    else:
+        exponent = 2 * half / width  # 2i/w, i = 0…w/2−1
+        inv_freq = torch.exp(-exponent * math.log(base))  # (w/2,)
+        angle = pos[None, :, None] * inv_freq[None, None, :]  # (1, n, w/2)
+        angle = angle.expand(lengths.shape[0], -1, -1)  # (B, n, w/2)
+    table = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (B, n, w): sin, cos
+    inside = pos[None, :] < lengths[:, None].to(torch.float64)  # (B, n)
+    return table * inside[..., None]
+
+
+class SinusoidPosition(nn.Module):
+    """P = F S: fixed sinusoids S (footnote 1) seen through a learned frame F (d × w).
+
+    The frame is the position encoding's embedding index, so P → QP is F → QF: the encoding
+    added in the embedding space is knowledge and rotates with it. ``base=None`` uses the
+    footnote's base n (each sequence its own length), a number the usual base (10000).
+    """
+
+    embedding_axes = {"frame": (0,)}
+
+    def __init__(self, *, d_model: int, width: int, base: float | None, init_scale: float = 1.0):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"position width {width} must be even (sin/cos pairs)")
+        self.frame = nn.Parameter(torch.eye(d_model, width) * init_scale)
+        self.width, self.base = width, base
+
+    def forward(self, lengths: torch.Tensor, n: int) -> torch.Tensor:
+        table = sinusoid_table(lengths, n, self.width, self.base).to(self.frame.dtype)  # (B,n,w)
+        return torch.einsum("bnw,dw->bnd", table, self.frame)  # (B, n, d)
+
+
+class LearnedPosition(nn.Module):
+    """A learned P (max_len × d in rows): knowledge, P → QP; covers lengths ≤ max_len only."""
+
+    embedding_axes = {"table": (1,)}
+
+    def __init__(self, *, d_model: int, max_len: int, init_scale: float = 1.0):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(max_len, d_model) * init_scale / math.sqrt(d_model))
+
+    def forward(self, lengths: torch.Tensor, n: int) -> torch.Tensor:
+        if n > self.table.shape[0]:
+            raise ValueError(
+                f"sequence length {n} exceeds the learned positions ({self.table.shape[0]}); "
+                "use a sinusoid position encoding for longer sequences"
+            )
+        pos = torch.arange(n, device=lengths.device)  # (n,)
+        inside = (pos[None, :] < lengths[:, None]).to(self.table.dtype)  # (B, n)
+        return self.table[:n][None] * inside[..., None]  # (B, n, d)

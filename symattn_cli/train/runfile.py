@@ -9,22 +9,28 @@ Schema (``format = "symattn-run"``, ``format_version = 1``; documented in the RE
     /metrics/epoch/<name>    float64 (E,) resizable, one row per finished epoch
     /metrics/step/<name>     float64 (S,) resizable, one row per logged optimiser step
     /status                  utf-8 string: running | finished | diverged | failed
+    /writer                  utf-8 string: "host:pid" of the process writing the file
     /summary/<name>          float64 scalar: final metrics (NaN until the run has finished)
     /weights/best/<param>    the best-on-validation weights, one dataset per state_dict entry
-    /state/blob              uint8 (bytes of ``torch.save``): model, optimiser, scheduler,
+    /state/blob0, blob1      uint8 (bytes of ``torch.save``): model, optimiser, scheduler,
                              RNG states, epoch, step, best tracking, logger run id
-    /state/size              int64 scalar: the valid length of /state/blob
+    /state/size0, size1      int64 scalars: the valid length of each blob
+    /state/current           int64 scalar: the slot holding the latest complete state (-1: none)
     /results/...             command-specific tables (equivariance, benchmarks)
 
 Every dataset is created before SWMR mode is switched on, so a second process can open the
 file with ``h5py.File(path, "r", libver="latest", swmr=True)`` and read live metrics; the
-writer flushes after every epoch, so a killed run keeps every finished epoch and its state.
+writer flushes after every epoch, so a killed run keeps every finished epoch and its state. The state is written
+into the slot not in use and only then made current, so a kill during that write leaves the
+previous state intact.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
+import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,12 +102,17 @@ class RunFile:
         for name in summary_metrics:
             summary.create_dataset(name, data=np.nan, dtype="f8")
         h5.create_dataset("status", data="running", dtype=_string_dtype())
+        h5.create_dataset("writer", data=_writer_id(), dtype=_string_dtype())
         best = h5.create_group("weights/best")
         for name, array in (weights or {}).items():
             best.create_dataset(name, data=np.zeros_like(array))
         state = h5.create_group("state")
-        state.create_dataset("blob", shape=(0,), maxshape=(None,), dtype="u1", chunks=(1 << 20,))
-        state.create_dataset("size", data=0, dtype="i8")
+        for slot in (0, 1):
+            state.create_dataset(
+                f"blob{slot}", shape=(0,), maxshape=(None,), dtype="u1", chunks=(1 << 20,)
+            )
+            state.create_dataset(f"size{slot}", data=0, dtype="i8")
+        state.create_dataset("current", data=-1, dtype="i8")
         if extra:
             _write_tree(h5.require_group("results"), extra)
         h5.flush()
@@ -112,7 +123,24 @@ class RunFile:
     def reopen(cls, path: Path) -> RunFile:
         """Open an existing run file for appending (resume)."""
         check_run_file(path)
-        h5 = h5py.File(path, "r+", libver="latest")
+        try:
+            h5 = h5py.File(path, "r+", libver="latest")
+        except OSError as err:
+            if "already open for write" not in str(err):
+                raise RunFileError(f"{path} cannot be opened for writing: {err}") from None
+            # A writer that died (SIGKILL, power loss) leaves the SWMR-write flag set, and
+            # HDF5 then refuses to open the file for writing. Only when that writer is gone
+            # (two live writers would corrupt the file), rewrite its content into a fresh
+            # file and swap it in atomically: nothing already written is lost.
+            writer = _read_string(path, "writer")
+            if _writer_alive(writer):
+                raise RunFileError(
+                    f"{path} is still being written by process {writer}; wait for it to end "
+                    "or stop it before resuming"
+                ) from None
+            _rewrite(Path(path))
+            h5 = h5py.File(path, "r+", libver="latest")
+        h5["writer"][()] = _writer_id()
         h5.swmr_mode = True
         return cls(h5, Path(path))
 
@@ -174,14 +202,110 @@ class RunFile:
         buffer = io.BytesIO()
         torch.save(dict(state), buffer)
         payload = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
-        blob = self._h5["state/blob"]
+        slot = 1 - max(0, int(self._h5["state/current"][()]))
+        blob = self._h5[f"state/blob{slot}"]
         if blob.shape[0] < payload.shape[0]:
             blob.resize((payload.shape[0],))
         blob[: payload.shape[0]] = payload
-        self._h5["state/size"][()] = payload.shape[0]
+        self._h5[f"state/size{slot}"][()] = payload.shape[0]
+        self._h5.flush()
+        self._h5["state/current"][()] = slot
 
     def flush(self) -> None:
         self._h5.flush()
+
+
+def write_results_file(
+    path: Path,
+    *,
+    command: str,
+    config_yaml: str,
+    env: Mapping[str, Any],
+    tables: Mapping[str, list[Mapping[str, Any]]],
+    summary: Mapping[str, float] | None = None,
+) -> Path:
+    """Write the run file of a command that produces tables (verify, benchmark).
+
+    Each table is stored under ``/results/<table>/<column>``: one dataset per column (numbers
+    as float64, text as utf-8 strings), rows in the order given.
+    """
+    results = {name: _columns(rows) for name, rows in tables.items()}
+    handle = RunFile.create(
+        path,
+        command=command,
+        config_yaml=config_yaml,
+        env=env,
+        epoch_metrics=(),
+        step_metrics=(),
+        summary_metrics=tuple(summary or ()),
+        extra=results,
+    )
+    with handle:
+        handle.set_summary(summary or {})
+        handle.set_status("finished")
+    return Path(path)
+
+
+def _columns(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+    names: list[str] = []
+    for row in rows:
+        names += [key for key in row if key not in names]
+    columns: dict[str, Any] = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if all(isinstance(v, (int, float, bool, np.number)) or v is None for v in values):
+            columns[name] = np.array([np.nan if v is None else float(v) for v in values])
+        else:
+            columns[name] = np.array(["" if v is None else str(v) for v in values], dtype=object)
+    return columns
+
+
+def read_table(path: Path, table: str) -> dict[str, np.ndarray]:
+    """A results table of a run file as ``{column: values}`` (text decoded to ``str``)."""
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        group = h5[f"results/{table}"]
+        out = {}
+        for name, dataset in group.items():
+            values = dataset[...]
+            if values.dtype.kind == "O":
+                values = np.array([v.decode() if isinstance(v, bytes) else v for v in values])
+            out[name] = values
+        return out
+
+
+def _rewrite(path: Path) -> None:
+    """Copy a run file left open by a dead writer into a clean file at the same path."""
+    fresh = path.with_name(path.name + ".rewrite")
+    with h5py.File(path, "r", libver="latest", swmr=True) as old:
+        with h5py.File(fresh, "w", libver="latest") as new:
+            for key, value in old.attrs.items():
+                new.attrs[key] = value
+            for name in old:
+                old.copy(old[name], new, name=name)
+    os.replace(fresh, path)
+
+
+def _writer_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _writer_alive(writer: str) -> bool:
+    host, _, pid = writer.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # another machine: cannot tell; the SWMR flag is all we have
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_string(path: Path, name: str) -> str:
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        value = h5[name][()]
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
@@ -189,6 +313,8 @@ def _write_tree(group: h5py.Group, tree: Mapping[str, Any]) -> None:
         if isinstance(value, Mapping):
             _write_tree(group.require_group(key), value)
         elif isinstance(value, str):
+            group.create_dataset(key, data=value, dtype=_string_dtype())
+        elif isinstance(value, np.ndarray) and value.dtype.kind == "O":
             group.create_dataset(key, data=value, dtype=_string_dtype())
         else:
             group.create_dataset(key, data=np.asarray(value))
@@ -210,7 +336,7 @@ def check_run_file(path: Path) -> None:
                     f"{path} is an HDF5 file but not a symattn run file (format={fmt!r}); "
                     "pass the run.h5 written by `symattn train`"
                 )
-    except OSError as err:
+    except (OSError, RuntimeError, KeyError) as err:  # what h5py raises for damaged files
         raise RunFileError(
             f"{path} cannot be read as HDF5 ({err}); it is corrupt or not a run file. "
             "Pass the run.h5 written by `symattn train`, or start a new run without resume="
@@ -235,9 +361,7 @@ def read_summary(path: Path) -> dict[str, float]:
 
 
 def read_status(path: Path) -> str:
-    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
-        value = h5["status"][()]
-        return value.decode() if isinstance(value, bytes) else str(value)
+    return _read_string(path, "status")
 
 
 def read_config_yaml(path: Path) -> str:
@@ -255,8 +379,9 @@ def read_state(path: Path) -> dict[str, Any] | None:
     import torch
 
     with h5py.File(path, "r", libver="latest", swmr=True) as h5:
-        size = int(h5["state/size"][()])
-        if size == 0:
+        slot = int(h5["state/current"][()])
+        if slot < 0:
             return None
-        payload = h5["state/blob"][:size].tobytes()
+        size = int(h5[f"state/size{slot}"][()])
+        payload = h5[f"state/blob{slot}"][:size].tobytes()
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)

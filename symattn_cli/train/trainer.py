@@ -265,6 +265,7 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                 }
                 self.run_file.append("step", row)
+                self.run_file.flush()  # live readers see steps, not only epochs
                 self.tracker.log({"train/step_loss": row["loss"], "lr": row["lr"]}, step=self.step)
             self.progress.step(f"loss {loss.item():.4f}")
         return _means(totals)
@@ -312,10 +313,7 @@ class Trainer:
             self.run_file.append("epoch", row)
             self.run_file.write_state(self.state())
             self.run_file.flush()
-            self.tracker.log(
-                {f"{k.replace('_', '/', 1)}": v for k, v in row.items() if k not in ("step",)},
-                step=self.step,
-            )
+            self.tracker.log(_tracker_keys(row), step=self.step)
             self.progress.end_epoch(self.epoch, s.epochs, row)
         return self.finish()
 
@@ -343,6 +341,15 @@ def _means(totals: Mapping[str, float]) -> dict[str, float]:
     if "exact" in totals:
         means["exact"] = totals["exact"] / max(1.0, totals["sequences"])
     return means
+
+
+def _tracker_keys(row: Mapping[str, float]) -> dict[str, float]:
+    """``train_loss`` -> ``train/loss`` so W&B groups panels by split; others unchanged."""
+    out = {}
+    for key, value in row.items():
+        split, _, name = key.partition("_")
+        out[f"{split}/{name}" if split in ("train", "val") else key] = value
+    return out
 
 
 def _numpy_state(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -1,0 +1,126 @@
+"""``symattn train`` end to end: run file, W&B offline, sweeps, errors, kill and resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from symattn_cli.train.runfile import read_metrics, read_status, read_summary
+from tests.helpers import TINY_TRAIN, read_wandb_file, run_symattn, symattn_env
+
+
+def only_run_file(root: Path) -> Path:
+    files = sorted(root.rglob("run.h5"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.mark.slow
+def test_train_writes_run_file_and_offline_wandb(workdir):
+    args = [a for a in TINY_TRAIN if not a.startswith("logger.")]
+    result = run_symattn("train", *args, "trainer.epochs=2", "logger.mode=offline", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    path = only_run_file(workdir / "outputs")
+    assert "test_acc" in result.stdout and f"run file: {path}" in result.stdout
+    assert "epoch 2/2" in result.stdout  # plain progress, one line per epoch
+    assert read_status(path) == "finished"
+    summary = read_summary(path)
+    assert 0.0 <= summary["test_acc"] <= 1.0 and summary["best_epoch"] in (1.0, 2.0)
+    assert summary["parameters"] > 0
+    metrics = read_metrics(path)
+    assert metrics["epoch"].tolist() == [1.0, 2.0]
+    with h5py.File(path, "r") as h5:
+        assert "model:" in h5["config"].attrs["yaml"]
+        assert h5["env"].attrs["torch"]
+        assert len(h5["weights/best"]) > 0
+    # W&B offline: a real run directory with the streamed history and summary.
+    runs = list((path.parent / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = read_wandb_file(next(runs[0].glob("run-*.wandb")))
+    epochs = [row for row in records["history"] if "val/acc" in row]
+    assert [row["epoch"] for row in epochs] == ["1", "2"]
+    assert all(float(row["val/loss"]) > 0 for row in epochs)
+    final = {k: v for update in records["summary"] for k, v in update.items()}
+    assert float(final["test_acc"]) == pytest.approx(summary["test_acc"])
+
+
+@pytest.mark.slow
+def test_multirun_gives_one_directory_per_job(workdir):
+    result = run_symattn(
+        "train", "-m", *TINY_TRAIN, "trainer.epochs=1", "trainer.max_steps_per_epoch=2",
+        "seed=0,1", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    files = sorted((workdir / "multirun").rglob("run.h5"))
+    assert len(files) == 2 and files[0].parent != files[1].parent
+
+
+def test_missing_resume_target_is_clear(workdir):
+    result = run_symattn("train", "resume=nowhere", cwd=workdir)
+    assert result.returncode == 2
+    assert "no run file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_foreign_resume_file_is_clear(workdir):
+    foreign = workdir / "foreign.h5"
+    with h5py.File(foreign, "w") as h5:
+        h5["x"] = 1
+    result = run_symattn("train", f"resume={foreign}", cwd=workdir)
+    assert result.returncode == 2
+    assert "not a symattn run file" in result.stderr and "Traceback" not in result.stderr
+
+
+KILL_ARGS = [*TINY_TRAIN, "data.num_train=320", "trainer.epochs=4", "trainer.log_every_steps=2"]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir):
+    reference = run_symattn("train", *KILL_ARGS, f"hydra.run.dir={workdir / 'ref'}", cwd=workdir)
+    assert reference.returncode == 0, reference.stderr
+    expected = read_summary(workdir / "ref" / "run.h5")
+
+    killed_dir = workdir / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "symattn_cli", "train", *KILL_ARGS, f"hydra.run.dir={killed_dir}"],
+        cwd=workdir,
+        env=symattn_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run_file = killed_dir / "run.h5"
+    deadline = time.time() + 240
+    try:
+        # Wait for the first finished epoch plus a few logged steps of the second one.
+        while time.time() < deadline and process.poll() is None:
+            if run_file.exists():
+                try:
+                    epochs = len(read_metrics(run_file)["epoch"])
+                    steps = read_metrics(run_file, "step")["epoch"].tolist()
+                except (OSError, KeyError):
+                    epochs, steps = 0, []
+                if epochs >= 1 and steps.count(float(epochs + 1)) >= 2:
+                    break
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+    assert read_status(run_file) == "running"
+    done = len(read_metrics(run_file)["epoch"])
+    assert 1 <= done < 4, "the kill must land before the run finished"
+
+    resumed = run_symattn("train", f"resume={killed_dir}", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    assert read_status(run_file) == "finished"
+    assert read_metrics(run_file)["epoch"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    got = read_summary(run_file)
+    for key in ("test_acc", "test_loss", "best_val_acc", "best_epoch"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key

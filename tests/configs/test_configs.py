@@ -1,0 +1,53 @@
+"""Config groups, schemas and the Python model API."""
+
+from __future__ import annotations
+
+import pytest
+
+import symattn_cli
+from symattn_cli.configs.paths import conf_dir, list_group_options
+from tests.helpers import run_symattn
+
+
+def test_config_groups_exist():
+    for group in ("model", "data", "trainer", "logger", "experiment"):
+        assert (conf_dir() / group).is_dir(), group
+    assert "cnn" in list_group_options("model")
+    assert "rotmnist_mini" in list_group_options("data")
+
+
+def test_list_and_create_model():
+    names = symattn_cli.list_models()
+    assert "cnn" in names and not any(n.endswith("_schema") for n in names)
+    model = symattn_cli.create_model("cnn", channels=[4, 8])
+    assert sum(p.numel() for p in model.parameters()) > 0
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        symattn_cli.create_model("nope")
+
+
+def test_unknown_name_lists_options(workdir):
+    result = run_symattn("train", "model=nope", cwd=workdir)
+    assert result.returncode != 0
+    assert "Could not find 'model/nope'" in result.stderr
+    assert "cnn" in result.stderr  # Hydra lists the available options
+
+
+def test_wrong_type_is_one_line_error(workdir):
+    result = run_symattn("train", "trainer.epochs=ten", cwd=workdir)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "trainer.epochs" in result.stderr and "ten" in result.stderr
+
+
+def test_bad_value_is_one_line_error(workdir):
+    result = run_symattn("train", "trainer.optimizer=adamx", "logger.mode=disabled", cwd=workdir)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "trainer.optimizer='adamx'" in result.stderr and "adamw" in result.stderr
+
+
+def test_cfg_job_prints_composed_config(workdir):
+    result = run_symattn("train", "--cfg", "job", "seed=3", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "seed: 3" in result.stdout and "family: cnn" in result.stdout
+    assert "mode: offline" in result.stdout  # W&B default

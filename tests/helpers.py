@@ -1,0 +1,90 @@
+"""Helpers shared by the tests: run the real ``symattn`` command in a scratch directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A tiny but real training job: 200 rotated digits, a two-stage CNN, W&B off.
+TINY_TRAIN = [
+    "data.num_train=160",
+    "data.num_val=64",
+    "data.num_test=64",
+    "model=cnn",
+    "model.channels=[4,8]",
+    "trainer.batch_size=16",
+    "trainer.eval_batch_size=64",
+    "trainer.progress=plain",
+    "logger.mode=disabled",
+]
+
+
+def symattn_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("WANDB_") or k == "HYDRA_FULL_ERROR"]:
+        env.pop(key)
+    env["WANDB_SILENT"] = "true"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_symattn(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m symattn_cli <args>`` in ``cwd``; returns the finished process."""
+    return subprocess.run(
+        [sys.executable, "-m", "symattn_cli", *args],
+        cwd=cwd,
+        env=symattn_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_wandb_file(path: Path) -> dict[str, list[dict[str, str]]]:
+    """Decode an offline ``run-*.wandb`` file into its history rows and summary updates.
+
+    The file is a LevelDB-style log (7-byte ``:W&B`` header, 32 KiB blocks, records split into
+    full/first/middle/last chunks) of ``wandb.proto`` ``Record`` messages.
+    """
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    block, position, pending, payloads = 32768, 7, b"", []
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # block trailer padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        position += 7
+        chunk = data[position : position + length]
+        position += length
+        if kind == 0:
+            break
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            payloads.append(pending + chunk)
+    out: dict[str, list[dict[str, str]]] = {"history": [], "summary": []}
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = record.history.item
+        elif kind == "summary":
+            items = record.summary.update
+        else:
+            continue
+        out[kind].append({i.key or "/".join(i.nested_key): i.value_json for i in items})
+    return out

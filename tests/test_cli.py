@@ -1,0 +1,50 @@
+"""The dispatcher: instant help, subcommands, errors, completion."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from symattn_cli.cli import COMMANDS, main
+from tests.helpers import run_symattn, symattn_env
+
+
+def test_help_lists_commands_without_importing_torch():
+    code = (
+        "import sys; from symattn_cli.cli import main; main(['--help']); "
+        "heavy = [m for m in ('torch', 'wandb', 'h5py', 'hydra') if m in sys.modules]; "
+        "print('HEAVY', heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=symattn_env(), check=True
+    ).stdout
+    for command in ("train", "verify-equivariance", "benchmark"):
+        assert command in out
+    assert "HEAVY []" in out
+
+
+def test_unknown_command_is_a_clear_error(capsys):
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "train" in err
+
+
+def test_version_and_module_entry(workdir):
+    result = run_symattn("--version", cwd=workdir)
+    assert result.returncode == 0 and result.stdout.startswith("symattn ")
+
+
+def test_bash_completion_knows_subcommands_and_config_groups(workdir, capsys):
+    assert main(["--completion", "bash"]) == 0
+    script = capsys.readouterr().out
+    assert "complete " in script and all(command in script for command in COMMANDS)
+    env = symattn_env() | {"COMP_LINE": "symattn model="}
+    out = subprocess.run(
+        [sys.executable, "-m", "symattn_cli", "train", "-sc", "query=bash"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "model=cnn" in out.split()

@@ -20,9 +20,9 @@ Schema (``format = "symattn-run"``, ``format_version = 1``; documented in the RE
 
 Every dataset is created before SWMR mode is switched on, so a second process can open the
 file with ``h5py.File(path, "r", libver="latest", swmr=True)`` and read live metrics; the
-writer flushes after every epoch, so a killed run keeps every finished epoch and its state. The state is written
-into the slot not in use and only then made current, so a kill during that write leaves the
-previous state intact.
+writer flushes after every epoch, so a killed run keeps every finished epoch and its state.
+The state is written into the slot not in use and only then made current, so a kill during
+that write leaves the previous state intact.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -16,6 +16,6 @@ class CNNConfig:
     num_classes: int = 0  # 0 = from the data
 
 
-SCHEMAS: list[tuple[Optional[str], str, Any]] = [
+SCHEMAS: list[tuple[str | None, str, Any]] = [
     ("model", "cnn_schema", CNNConfig),
 ]

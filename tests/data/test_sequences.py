@@ -1,0 +1,100 @@
+"""Generated sequence tasks: sizes, disjoint splits, correct answers, lengths, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from symattn_cli.data.base import IGNORE_INDEX, DataError
+from symattn_cli.data.sequences import ARITHMETIC_TOKENS, build
+
+SMALL = {"num_train": 400, "num_val": 60, "num_test": 60, "min_len": 2, "max_len": 6}
+
+
+def _keys(split):
+    return {tuple(tokens.tolist()) for tokens, _ in split}
+
+
+def _answer_tokens(targets):
+    return [t for t in targets.tolist() if t != IGNORE_INDEX]
+
+
+def test_arithmetic_default_split_and_answers():
+    bundle = build("arithmetic", {}, None)
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (16000, 2000, 2000)
+    keys = [_keys(s) for s in (bundle.train, bundle.val, bundle.test)]
+    assert sum(map(len, keys)) == 20000  # every expression once, no leak across splits
+    spec = bundle.spec
+    assert spec.task == "tokens" and spec.vocab_size == 15 and spec.max_len == 10
+    assert spec.tokens == ARITHMETIC_TOKENS and spec.pad_index == 0
+    for tokens, targets in list(bundle.test)[:300]:
+        text = [ARITHMETIC_TOKENS[t] for t in tokens.tolist()]
+        assert text[5] == "=" and text[6:] == ["_"] * 4
+        a, b = int("".join(text[0:2])), int("".join(text[3:5]))
+        value = a + b if text[2] == "+" else a - b
+        answer = "".join(ARITHMETIC_TOKENS[t] for t in _answer_tokens(targets))
+        assert answer == ("+" if value >= 0 else "-") + f"{abs(value):03d}"
+        assert (targets[:6] == IGNORE_INDEX).all()
+
+
+def test_arithmetic_single_digit_variant_and_determinism():
+    bundle = build("arithmetic", {"variant": "single_digit"}, None)
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (160, 20, 20)
+    tokens, targets = bundle.train[0]
+    assert len(tokens) == len(targets) == 7
+    again = build("arithmetic", {"variant": "single_digit"}, None)
+    assert _keys(again.test) == _keys(bundle.test)
+    other = build("arithmetic", {"variant": "single_digit", "split_seed": 1}, None)
+    assert _keys(other.test) != _keys(bundle.test)
+
+
+@pytest.mark.parametrize("task", ["sort", "reverse"])
+def test_ordering_tasks(task):
+    bundle = build(task, SMALL, None)
+    train, val, test = _keys(bundle.train), _keys(bundle.val), _keys(bundle.test)
+    long = _keys(bundle.extra_tests["test_long"])
+    assert not (train & val) and not (train & test) and not (val & test) and not (train & long)
+    for tokens, targets in bundle.train:
+        m = (len(tokens) - 1) // 2
+        assert 2 <= m <= 6 and len(targets) == len(tokens)
+        symbols = tokens[:m].tolist()
+        want = sorted(symbols) if task == "sort" else symbols[::-1]
+        assert _answer_tokens(targets) == want
+    lengths = {(len(t) - 1) // 2 for t, _ in bundle.extra_tests["test_long"]}
+    assert min(lengths) == 7 and max(lengths) <= 12  # defaults: max_len + 1 .. 2 * max_len
+    assert bundle.spec.max_len == max(len(t) for t, _ in bundle.extra_tests["test_long"])
+    assert _keys(build(task, SMALL, None).test) == test  # deterministic from the seed
+
+
+def test_collate_pads_tokens_and_targets():
+    bundle = build("sort", SMALL, None)
+    batch = [bundle.train[i] for i in range(8)]
+    tokens, targets = bundle.collate(batch)
+    n = max(len(t) for t, _ in batch)
+    assert tokens.shape == targets.shape == (8, n)
+    for row, (t, _) in enumerate(batch):
+        assert (tokens[row, len(t) :] == bundle.spec.pad_index).all()
+        assert (targets[row, len(t) :] == IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({**SMALL, "min_len": 7, "max_len": 3}, "min_len=7 is larger than data.max_len=3"),
+        ({**SMALL, "num_symbols": 40}, "num_symbols=40"),
+        ({**SMALL, "test_min_len": 9, "test_max_len": 8}, "test_min_len=9"),
+    ],
+)
+def test_bad_options_raise_data_errors(options, message):
+    with pytest.raises(DataError, match=message):
+        build("sort", options, None)
+
+
+def test_bad_arithmetic_options():
+    with pytest.raises(DataError, match="variant='three_digit'"):
+        build("arithmetic", {"variant": "three_digit"}, None)
+    with pytest.raises(DataError, match="200 distinct expressions"):
+        build(
+            "arithmetic",
+            {"variant": "single_digit", "num_train": 500, "num_val": 1, "num_test": 1},
+            None,
+        )

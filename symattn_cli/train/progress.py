@@ -29,6 +29,7 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.mode == "rich":
+            from rich.console import Console
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -46,6 +47,7 @@ class Progress:
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"),
                 transient=False,
+                console=Console(file=self.stream),
             )
             self._bar.__enter__()
         return self

@@ -1,0 +1,151 @@
+"""The training loop on a tiny synthetic task: optimisers, schedules, divergence, selection."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from symattn_cli.data.base import DataBundle, DataSpec
+from symattn_cli.errors import ConfigError
+from symattn_cli.train.progress import Progress
+from symattn_cli.train.runfile import RunFile, read_metrics, read_state, read_weights
+from symattn_cli.train.settings import TrainSettings
+from symattn_cli.train.tracking import Tracker
+from symattn_cli.train.trainer import DivergedError, Trainer, metric_names
+
+
+def bundle(n: int = 64) -> DataBundle:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=generator)
+    y = (x[:, 0] > 0).long()
+    split = TensorDataset(x, y)
+    spec = DataSpec(task="classify", num_classes=2)
+    return DataBundle(train=split, val=split, test=split, spec=spec)
+
+
+def make_trainer(tmp_path, model=None, **settings) -> Trainer:
+    data = bundle()
+    model = model or nn.Linear(4, 2)
+    names = metric_names("classify", {})
+    run_file = RunFile.create(
+        tmp_path / "run.h5",
+        command="train",
+        config_yaml="",
+        env={},
+        epoch_metrics=names["epoch"],
+        step_metrics=names["step"],
+        summary_metrics=names["summary"],
+        weights={k: v.numpy() for k, v in model.state_dict().items()},
+    )
+    options = TrainSettings(batch_size=16, progress="none", device="cpu", **settings)
+    return Trainer(model, data, options, run_file=run_file, tracker=Tracker(None), seed=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_optimisers_learn_a_separable_task(tmp_path, optimizer):
+    trainer = make_trainer(tmp_path, optimizer=optimizer, lr=0.1, epochs=15)
+    summary = trainer.fit()
+    trainer.run_file.close()
+    assert summary["test_acc"] >= 0.9
+    assert len(read_metrics(tmp_path / "run.h5")["epoch"]) == 15
+
+
+def test_warmup_cosine_schedule(tmp_path):
+    trainer = make_trainer(tmp_path, schedule="cosine", warmup_epochs=1, epochs=4, lr=1.0)
+    factor = trainer.scheduler.lr_lambdas[0]
+    steps = trainer.steps_per_epoch  # 4 batches of 16
+    assert factor(0) == pytest.approx(1 / steps)
+    assert factor(steps - 1) == pytest.approx(1.0)
+    assert factor(steps) == pytest.approx(1.0)
+    assert factor(4 * steps) == pytest.approx(0.0, abs=1e-12)
+    middle = steps + (3 * steps) // 2
+    assert factor(middle) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    trainer.run_file.close()
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path):
+    model = nn.Linear(4, 2)
+    trainer = make_trainer(tmp_path, model=model, optimizer="sgd", momentum=0.0, lr=1.0,
+                           grad_clip=1e-3, epochs=1, max_steps_per_epoch=1)  # fmt: skip
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer.fit()
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.linalg.vector_norm(after - before) <= 1e-3 + 1e-9
+    trainer.run_file.close()
+
+
+class Exploding(nn.Module):
+    """Finite for the first epoch, then NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        return out * float("nan") if self.training and self.calls > 4 else out
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_state(tmp_path):
+    trainer = make_trainer(tmp_path, model=Exploding(), epochs=3)
+    with pytest.raises(DivergedError, match="loss became nan at epoch 2"):
+        trainer.fit()
+    trainer.run_file.close()
+    state = read_state(tmp_path / "run.h5")
+    assert state["epoch"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    weights = read_weights(tmp_path / "run.h5")
+    assert all(np.isfinite(w).all() for w in weights.values())
+
+
+def test_best_weights_are_selected_on_validation(tmp_path):
+    trainer = make_trainer(tmp_path, lr=0.1, epochs=5)
+    trainer.fit()
+    trainer.run_file.close()
+    metrics = read_metrics(tmp_path / "run.h5")
+    best = int(np.argmax(metrics["val_acc"])) + 1
+    assert trainer.best_epoch == best
+    saved = read_weights(tmp_path / "run.h5")
+    np.testing.assert_array_equal(saved["weight"], trainer.best_state["weight"].numpy())
+
+
+def test_amp_is_ignored_on_cpu(tmp_path):
+    trainer = make_trainer(tmp_path, amp=True, epochs=1)
+    assert trainer.use_amp is False
+    trainer.run_file.close()
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ConfigError, match="trainer.schedule='linear'"):
+        TrainSettings(schedule="linear").check()
+    with pytest.raises(ConfigError, match="trainer.device='tpu'"):
+        TrainSettings(device="tpu").check()
+
+
+def test_plain_progress_prints_one_line_per_epoch():
+    stream = io.StringIO()
+    with Progress("auto", stream=stream) as progress:  # not a TTY: plain
+        assert progress.mode == "plain"
+        progress.start_epoch(1, 2, 3)
+        progress.step()
+        progress.end_epoch(1, 2, {"val_acc": 0.5})
+    assert stream.getvalue() == "epoch 1/2 val_acc=0.5\n"
+
+
+def test_rich_progress_draws_a_bar():
+    stream = io.StringIO()
+    with Progress("rich", stream=stream) as progress:
+        progress.start_epoch(1, 1, 2)
+        progress.step("loss 1.0")
+        progress.step("loss 0.5")
+        progress.end_epoch(1, 1, {"val_acc": 0.5})
+    text = stream.getvalue()
+    assert "epoch 1/1" in text and "2/2" in text  # the bar's M/N column, completed

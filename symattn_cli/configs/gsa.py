@@ -1,7 +1,51 @@
-"""Typed configs of this model family (filled in with the family's models)."""
+"""Typed configs of the GSA-Net family (``conf/model/*_sa.yaml``) and the P4CNN baseline."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
-SCHEMAS: list[tuple[Optional[str], str, Any]] = []
+
+@dataclass
+class GSANetConfig:
+    """GSA-Net options; architecture values left empty (0, null, []) come from the preset
+    of ``arch`` (auto: the one the data suggests: rotmnist | cifar10 | pcam)."""
+
+    family: str = "gsa"
+    group: str = "z2"  # z2 | z4 (r4) | r8 | r12 | r16 | mirror (z2m) | z4m (r4m) | r8m
+    arch: str = "auto"  # auto | rotmnist | cifar10 | pcam
+    query_form: str = "sum"  # sum (GSA-Nets Eq. 16) | single (one query per element)
+    channels: int = 0
+    heads: int = 0
+    block_sizes: list[int] = field(default_factory=list)
+    expansion: list[int] = field(default_factory=list)
+    crops: list[int] = field(default_factory=list)
+    patch_size: int = 0  # odd P for P x P local attention; 0 = the preset's; -1 = global
+    attention_dropout: float = 0.1
+    value_dropout: float = 0.1
+    input_dropout: float = 0.0
+    pool_dropout: float = 0.0
+    input_pool: int = 1  # average-pool the input by this factor first (CPU presets)
+    checkpointing: bool = True  # recompute attention in the backward pass (memory)
+    in_channels: int = 0  # 0 = from the data
+    num_classes: int = 0  # 0 = from the data
+
+
+@dataclass
+class GCNNConfig:
+    """P4CNN-style group convolutional baseline (lifting + group convolutions)."""
+
+    family: str = "gcnn"
+    group: str = "z4"  # z2 | z4 | mirror | z4m (grid-exact groups only)
+    channels: list[int] = field(default_factory=lambda: [10, 10, 10, 10, 10, 10, 10])
+    kernel_size: int = 3
+    pool_after: list[int] = field(default_factory=lambda: [1])  # 2x2 max-pool after layer i
+    dropout: float = 0.3
+    in_channels: int = 0
+    num_classes: int = 0
+
+
+SCHEMAS: list[tuple[str | None, str, Any]] = [
+    ("model", "gsa_schema", GSANetConfig),
+    ("model", "gcnn_schema", GCNNConfig),
+]

@@ -1,0 +1,128 @@
+"""P4CNN-style group convolutional baseline (Cohen & Welling 2016), on any grid-exact group.
+
+Letters: B batch, C channels, N = |H|, H/W height/width, k kernel side, K classes.
+Layout ``(B, C, N, H, W)``. Both convolutions satisfy ``conv(L_g f) = L_g conv(f)`` with
+``(L_g f)(x, h) = f(u^-1 (x - t), u^-1 h)`` exactly, for every u that maps the pixel grid onto
+itself (quarter turns, reflections): their filters are the transformed copies
+``(L_u W)(h, y) = W(u^-1 h, u^-1 y)``, one per output element u.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from symattn_cli.data.base import DataSpec
+from symattn_cli.groups import Group, get_group
+
+
+def _check_grid_group(group: Group) -> None:
+    bad = [group.describe(e) for e in group.elements if not group.is_grid_exact(e)]
+    if bad:
+        raise ValueError(
+            f"group convolutions on a pixel grid need quarter turns / reflections only; "
+            f"{group.name} has {bad[:3]}...; use z2, z4, mirror or z4m"
+        )
+
+
+class LiftingConv(nn.Module):
+    """``(B, C_in, H, W) -> (B, C_out, N, H, W)``: correlation with the N transformed filters."""
+
+    def __init__(self, *, group: Group, in_channels: int, out_channels: int, kernel_size: int):
+        super().__init__()
+        _check_grid_group(group)
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c_out, n = self.weight.shape[0], self.group.order
+        filters = torch.stack(
+            [self.group.act_on_grid(u, self.weight) for u in self.group.elements], dim=1
+        )  # (C_out, N, C_in, k, k)
+        filters = filters.reshape(c_out * n, *self.weight.shape[1:])  # (C_out*N, C_in, k, k)
+        out = F.conv2d(x, filters, padding=self.weight.shape[-1] // 2)  # (B, C_out*N, H, W)
+        out = out.view(x.shape[0], c_out, n, *out.shape[-2:])  # (B, C_out, N, H, W)
+        return out + self.bias[:, None, None, None]
+
+
+class GroupConv(nn.Module):
+    """``(B, C_in, N, H, W) -> (B, C_out, N, H, W)``: filters on the group, one copy per u."""
+
+    def __init__(self, *, group: Group, in_channels: int, out_channels: int, kernel_size: int):
+        super().__init__()
+        _check_grid_group(group)
+        self.group = group
+        n = group.order
+        self.weight = nn.Parameter(
+            torch.empty(out_channels, in_channels, n, kernel_size, kernel_size)
+        )
+        nn.init.kaiming_uniform_(self.weight.view(out_channels, -1, kernel_size), a=math.sqrt(5))
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c_out, c_in, n, k, _ = self.weight.shape
+        filters = torch.stack(
+            [self.group.act_on_group_function(u, self.weight) for u in self.group.elements], dim=1
+        )  # (C_out, N_out, C_in, N_in, k, k)
+        filters = filters.reshape(c_out * n, c_in * n, k, k)  # (C_out*N, C_in*N, k, k)
+        b, _, _, height, width = x.shape
+        out = F.conv2d(x.reshape(b, c_in * n, height, width), filters, padding=k // 2)
+        out = out.view(b, c_out, n, height, width)  # (B, C_out, N, H, W)
+        return out + self.bias[:, None, None, None]
+
+
+class GroupCNN(nn.Module):
+    """Lifting conv, group convs with BatchNorm3d + ReLU, 2x2 max-pools, invariant logits."""
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        in_channels: int,
+        num_classes: int,
+        channels: Sequence[int] = (10, 10, 10, 10, 10, 10, 10),
+        kernel_size: int = 3,
+        pool_after: Sequence[int] = (1,),
+        dropout: float = 0.3,
+    ) -> None:
+        super().__init__()
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={kernel_size} must be odd (same padding)")
+        self.group = group
+        layers: list[nn.Module] = []
+        width = in_channels
+        for i, out in enumerate(channels):
+            conv = LiftingConv if i == 0 else GroupConv
+            layers += [
+                conv(group=group, in_channels=width, out_channels=out, kernel_size=kernel_size),
+                nn.BatchNorm3d(out),
+                nn.ReLU(inplace=True),
+            ]
+            if i in pool_after:
+                layers += [nn.MaxPool3d((1, 2, 2)), nn.Dropout(dropout)]
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Conv3d(width, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.head(self.features(x))  # (B, K, N, H', W')
+        return h.mean(dim=(-2, -1)).amax(dim=-1)  # (B, K): invariant logits
+
+
+def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:
+    return GroupCNN(
+        group=get_group(options.get("group", "z4")),
+        in_channels=options.get("in_channels") or spec.in_channels,
+        num_classes=options.get("num_classes") or spec.num_classes,
+        channels=tuple(options["channels"]),
+        kernel_size=options["kernel_size"],
+        pool_after=tuple(options["pool_after"]),
+        dropout=options["dropout"],
+    )

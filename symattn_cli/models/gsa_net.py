@@ -1,0 +1,219 @@
+"""GSA-Net: lifting self-attention, attention blocks, pooling, invariant logits (GSA-Nets Fig. F.1).
+
+Letters: B batch, C channels, N = |H|, H/W height/width, K classes. Features between layers
+are ``(B, C, N, H, W)``; every layer is equivariant, ``layer(L_g f) = L_g layer(f)`` with
+``(L_g f)(x, h) = f(u^-1 (x - t), u^-1 h)``, and the logits are invariant: spatial mean, then
+max over the group axis. Maps are kept even-sized (symmetric crops, 2x2 pooling of even maps)
+so that quarter turns of the input permute pixels exactly all the way down.
+
+Architectures (channels, blocks, crops...) are presets in :data:`ARCHITECTURES`, chosen by the
+data (``DataSpec.arch``) or forced with the model option ``arch``; any preset value can be
+overridden by a model option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from symattn_cli.data.base import DataSpec
+from symattn_cli.groups import Group, get_group
+from symattn_cli.nn.gsa import GroupSelfAttention
+from symattn_cli.nn.positional import Swish
+
+# Paper / reference architectures (GSA-Nets App. F); the crops of "pcam" differ from the
+# reference ([0, 2, 1, 1]) so that every pooled map is even: 96-48-48-24-20-20-10-8-4.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "rotmnist": dict(
+        channels=20, block_sizes=[2, 3], expansion=[1, 1], crops=[2, 0, 2, 1, 1], heads=9,
+        patch_size=5, pool_after_last_block=False, norm_between_layers=False,
+        input_dropout=0.0, pool_dropout=0.0,
+    ),
+    "cifar10": dict(
+        channels=96, block_sizes=[2, 2, 2], expansion=[1, 2, 1], crops=[0, 0, 0, 0, 0, 0],
+        heads=9, patch_size=5, pool_after_last_block=False, norm_between_layers=True,
+        input_dropout=0.2, pool_dropout=0.3,
+    ),
+    "pcam": dict(
+        channels=12, block_sizes=[0, 1, 2, 1], expansion=[1, 2, 2, 2], crops=[0, 2, 0, 1],
+        heads=9, patch_size=5, pool_after_last_block=True, norm_between_layers=True,
+        input_dropout=0.0, pool_dropout=0.0,
+    ),
+}  # fmt: skip
+
+
+def layer_norm(channels: int) -> nn.Module:
+    """The reference's "LayerNorm": GroupNorm(1, C) over (C, N, H, W) of each sample.
+
+    Statistics over the whole orbit, so it commutes with every L_g.
+    """
+    return nn.GroupNorm(1, channels)
+
+
+def crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Remove ``size`` pixels from every border (symmetric, so rotations still act)."""
+    return x if size == 0 else x[..., size:-size, size:-size]
+
+
+class GSABlock(nn.Module):
+    """``a = drop(act(norm(SA(act(norm(x)))))); out = crop(a) + crop(shortcut(x));
+    out = out + norm(conv(act(norm(conv(out)))))`` (the reference transformer block)."""
+
+    def __init__(
+        self,
+        *,
+        attention: GroupSelfAttention,
+        in_channels: int,
+        out_channels: int,
+        crop_size: int = 0,
+        value_dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        hidden = max(out_channels // 2, 1)
+        self.pre = nn.Sequential(layer_norm(in_channels), Swish())
+        self.attention = attention
+        self.post = nn.Sequential(layer_norm(out_channels), Swish(), nn.Dropout(value_dropout))
+        self.shortcut = (
+            nn.Conv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
+        )
+        self.mlp = nn.Sequential(
+            nn.Conv3d(out_channels, hidden, 1),
+            layer_norm(hidden),
+            Swish(),
+            nn.Conv3d(hidden, out_channels, 1),
+            layer_norm(out_channels),
+        )
+        self.crop_size = crop_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, N, H, W)
+        a = self.post(self.attention(self.pre(x)))  # (B, C', N, H, W)
+        skip = x if self.shortcut is None else self.shortcut(x)
+        out = crop(a, self.crop_size) + crop(skip, self.crop_size)  # (B, C', N, H-2c, W-2c)
+        return out + self.mlp(out)
+
+
+class GSANet(nn.Module):
+    """Group self-attention network with G-invariant logits ``(B, K)``."""
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        in_channels: int,
+        num_classes: int,
+        channels: int = 20,
+        block_sizes: Sequence[int] = (2, 3),
+        expansion: Sequence[int] = (1, 1),
+        crops: Sequence[int] = (2, 0, 2, 1, 1),
+        heads: int = 9,
+        patch_size: int | None = 5,
+        query_form: str = "sum",
+        attention_dropout: float = 0.1,
+        value_dropout: float = 0.1,
+        input_dropout: float = 0.0,
+        pool_dropout: float = 0.0,
+        norm_between_layers: bool = False,
+        pool_after_last_block: bool = False,
+        input_pool: int = 1,
+        checkpointing: bool = True,
+        group_index: str = "relative",
+    ) -> None:
+        super().__init__()
+        if len(expansion) != len(block_sizes):
+            raise ValueError(
+                f"expansion {list(expansion)} needs one entry per block {list(block_sizes)}"
+            )
+        if len(crops) != sum(block_sizes):
+            raise ValueError(
+                f"crops {list(crops)} needs one entry per attention layer ({sum(block_sizes)})"
+            )
+        self.group = group
+
+        def attention(c_in: int, c_out: int, lifting: bool) -> GroupSelfAttention:
+            return GroupSelfAttention(
+                group=group, in_channels=c_in, out_channels=c_out, heads=heads,
+                head_dim=max(c_out // 2, 1), patch_size=patch_size, lifting=lifting,
+                query_form=query_form, attention_dropout=attention_dropout,
+                checkpointing=checkpointing, group_index=group_index,
+            )  # fmt: skip
+
+        self.input_pool = nn.AvgPool2d(input_pool) if input_pool > 1 else nn.Identity()
+        self.input_dropout = nn.Dropout(input_dropout)
+        self.lifting = attention(in_channels, channels, lifting=True)
+        self.lifting_norm = nn.Sequential(layer_norm(channels), Swish())
+        layers: list[nn.Module] = []
+        width, layer_index = channels, 0
+        for block, (size, factor) in enumerate(zip(block_sizes, expansion, strict=True)):
+            out = width * factor
+            for _ in range(size):
+                layers.append(
+                    GSABlock(
+                        attention=attention(width, out, lifting=False),
+                        in_channels=width,
+                        out_channels=out,
+                        crop_size=crops[layer_index],
+                        value_dropout=value_dropout,
+                    )
+                )
+                if norm_between_layers:
+                    layers += [layer_norm(out), Swish()]
+                width, layer_index = out, layer_index + 1
+            width = out
+            if block < len(block_sizes) - 1 or pool_after_last_block:
+                layers.append(nn.MaxPool3d(kernel_size=(1, 2, 2)))
+                if pool_dropout > 0:
+                    layers.append(nn.Dropout(pool_dropout))
+        self.blocks = nn.Sequential(*layers)
+        self.head = nn.Conv3d(width, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.input_dropout(self.input_pool(x))  # (B, C_in, H, W)
+        h = self.lifting_norm(self.lifting(x))  # (B, C, N, H, W)
+        h = self.head(self.blocks(h))  # (B, K, N, H', W')
+        return h.mean(dim=(-2, -1)).amax(dim=-1)  # (B, K): invariant logits
+
+
+def resolve_arch(options: dict[str, Any], spec: DataSpec) -> str:
+    arch = options.get("arch") or "auto"
+    if arch == "auto":
+        arch = spec.arch or "rotmnist"
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"arch={arch!r} has no GSA-Net preset; choose auto or one of {sorted(ARCHITECTURES)}"
+        )
+    return arch
+
+
+_EMPTY = (None, 0, [], ())
+_PRESET_KEYS = tuple(ARCHITECTURES["rotmnist"])
+
+
+def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
+    """Model options -> :class:`GSANet` keyword arguments (the config boundary).
+
+    Architecture values come from the preset of ``arch`` (auto: the data's), and a model
+    option replaces a preset value unless it is empty (0, null or []).
+    """
+    arch = resolve_arch(options, spec)
+    kwargs = dict(ARCHITECTURES[arch])
+    for key in _PRESET_KEYS:
+        value = options.get(key)
+        if value not in _EMPTY or (isinstance(value, bool) and key in options):
+            kwargs[key] = value
+    if kwargs["patch_size"] in (0, -1):
+        kwargs["patch_size"] = None  # 0 = global attention
+    return GSANet(
+        group=get_group(options.get("group", "z2")),
+        in_channels=options.get("in_channels") or spec.in_channels,
+        num_classes=options.get("num_classes") or spec.num_classes,
+        query_form=options.get("query_form", "sum"),
+        attention_dropout=options.get("attention_dropout", 0.1),
+        value_dropout=options.get("value_dropout", 0.1),
+        input_pool=options.get("input_pool", 1),
+        checkpointing=options.get("checkpointing", True),
+        group_index=options.get("group_index", "relative"),
+        **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
+    )

@@ -7,6 +7,7 @@ epoch, with the config stored in the run file.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,9 @@ def train(cfg: Any) -> dict[str, float]:
 
     from symattn_cli.data.registry import build_data
     from symattn_cli.models.registry import build_model
+    from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
     from symattn_cli.train.progress import Progress
-    from symattn_cli.train.runfile import RunFile, read_state
+    from symattn_cli.train.runfile import NullRunFile, RunFile, read_state
     from symattn_cli.train.settings import TrainSettings
     from symattn_cli.train.tracking import start_tracker
     from symattn_cli.train.trainer import (
@@ -78,6 +80,8 @@ def train(cfg: Any) -> dict[str, float]:
         directory = run_dir()
     settings = TrainSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     settings.check()
+    world = init_world(settings.device)
+    settings = dataclasses.replace(settings, device=device_for(world, settings.device))
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     seed_everything(cfg.seed, deterministic=settings.deterministic)
@@ -93,9 +97,14 @@ def train(cfg: Any) -> dict[str, float]:
 
     if resume_path is not None:
         state = read_state(resume_path)
-        run_file = RunFile.reopen(resume_path)
+        barrier(world)  # every process has its state before rank 0 reopens the file
     else:
         state = None
+    if not world.is_main:
+        run_file = NullRunFile()
+    elif resume_path is not None:
+        run_file = RunFile.reopen(resume_path)
+    else:
         run_file = RunFile.create(
             directory / RUN_FILE,
             command="train",
@@ -108,7 +117,7 @@ def train(cfg: Any) -> dict[str, float]:
         )
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     tracker = start_tracker(
-        mode=cfg.logger.mode,
+        mode=cfg.logger.mode if world.is_main else "disabled",
         project=cfg.logger.project,
         entity=cfg.logger.entity,
         group=cfg.logger.group,
@@ -121,7 +130,7 @@ def train(cfg: Any) -> dict[str, float]:
     )
     exit_code = 1
     try:
-        with Progress(settings.progress) as progress:
+        with Progress(settings.progress if world.is_main else "none") as progress:
             trainer = Trainer(
                 model,
                 data,
@@ -130,6 +139,7 @@ def train(cfg: Any) -> dict[str, float]:
                 tracker=tracker,
                 seed=cfg.seed,
                 progress=progress,
+                world=world,
             )
             if state is not None:
                 trainer.load_state(state)
@@ -148,7 +158,9 @@ def train(cfg: Any) -> dict[str, float]:
     finally:
         run_file.close()
         tracker.finish(exit_code=exit_code)
-    _report(summary, run_file.path)
+        shutdown(world)
+    if world.is_main:
+        _report(summary, run_file.path)
     return summary
 
 

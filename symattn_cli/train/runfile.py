@@ -215,6 +215,20 @@ class RunFile:
         self._h5.flush()
 
 
+class NullRunFile:
+    """Stands in for the run file on processes that must not write (torchrun ranks > 0)."""
+
+    path = Path("/dev/null")
+
+    def __getattr__(self, name: str):
+        if name in ("append", "flush", "write_weights", "write_state", "truncate",
+                    "set_status", "set_summary", "close"):  # fmt: skip
+            return lambda *args, **kwargs: None
+        if name == "rows_until":
+            return lambda *args, **kwargs: 0
+        raise AttributeError(name)
+
+
 def write_results_file(
     path: Path,
     *,

@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from symattn_cli.data.base import IGNORE_INDEX, DataBundle
 from symattn_cli.errors import ConfigError, UserError
+from symattn_cli.train.distributed import World, sum_across
 from symattn_cli.train.progress import Progress
 from symattn_cli.train.runfile import RunFile
 from symattn_cli.train.settings import TrainSettings
@@ -106,14 +107,20 @@ class Trainer:
         tracker: Tracker,
         seed: int = 0,
         progress: Progress | None = None,
+        world: World | None = None,
     ) -> None:
         settings.check()
+        self.world = world or World()
         self.settings = settings
         self.data = data
         self.task = data.spec.task
         self.seed = seed
         self.device = resolve_device(settings.device)
         self.model = model.to(self.device)
+        self.net = self.model  # what forward passes go through: DDP-wrapped under torchrun
+        if self.world.distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.run_file = run_file
         self.tracker = tracker
         self.progress = progress or Progress("none")
@@ -142,7 +149,8 @@ class Trainer:
         return torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
 
     def _steps_per_epoch(self) -> int:
-        steps = math.ceil(len(self.data.train) / self.settings.batch_size)
+        per_process = math.ceil(len(self.data.train) / self.world.size)
+        steps = math.ceil(per_process / self.settings.batch_size)
         if self.settings.max_steps_per_epoch > 0:
             steps = min(steps, self.settings.max_steps_per_epoch)
         return steps
@@ -164,15 +172,21 @@ class Trainer:
         return factor
 
     def _loader(self, dataset: Any, *, train: bool, epoch: int = 0) -> DataLoader:
-        generator = None
-        if train:
-            # One generator per epoch, seeded from (seed, epoch): replaying an epoch after a
-            # resume draws the same batches without storing any sampler state.
+        # Shuffling is seeded from (seed, epoch): replaying an epoch after a resume draws the
+        # same batches without storing any sampler state.
+        generator, sampler = None, None
+        if train and self.world.distributed:
+            sampler = DistributedSampler(
+                dataset, num_replicas=self.world.size, rank=self.world.rank, seed=self.seed
+            )
+            sampler.set_epoch(epoch)
+        elif train:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return DataLoader(
             dataset,
             batch_size=self.settings.batch_size if train else self.settings.eval_batch_size,
-            shuffle=train,
+            shuffle=train and sampler is None,
+            sampler=sampler,
             generator=generator,
             collate_fn=self.data.collate,
             num_workers=self.settings.num_workers,
@@ -226,10 +240,10 @@ class Trainer:
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=self.device.type, enabled=self.use_amp):
-            return self.model(inputs)
+            return self.net(inputs)
 
     def _train_epoch(self, epoch: int) -> dict[str, float]:
-        self.model.train()
+        self.net.train()
         totals: dict[str, float] = {}
         loader = self._loader(self.data.train, train=True, epoch=epoch)
         self.progress.start_epoch(epoch + 1, self.settings.epochs, self.steps_per_epoch)
@@ -268,11 +282,11 @@ class Trainer:
                 self.run_file.flush()  # live readers see steps, not only epochs
                 self.tracker.log({"train/step_loss": row["loss"], "lr": row["lr"]}, step=self.step)
             self.progress.step(f"loss {loss.item():.4f}")
-        return _means(totals)
+        return _means(sum_across(self.world, totals))
 
     @torch.no_grad()
     def evaluate(self, dataset: Any) -> dict[str, float]:
-        self.model.eval()
+        self.net.eval()
         totals: dict[str, float] = {}
         for inputs, targets in self._loader(dataset, train=False):
             inputs, targets = inputs.to(self.device), targets.to(self.device)

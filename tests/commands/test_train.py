@@ -124,3 +124,20 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir):
     got = read_summary(run_file)
     for key in ("test_acc", "test_loss", "best_val_acc", "best_epoch"):
         assert got[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.slow
+def test_torchrun_data_parallel_on_cpu(workdir):
+    """Two processes (gloo): each trains on half of every epoch; rank 0 alone writes."""
+    run_dir = workdir / "ddp"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "symattn_cli",
+         "train", *TINY_TRAIN, "data.num_train=320", "trainer.epochs=2",
+         f"hydra.run.dir={run_dir}"],
+        cwd=workdir, env=symattn_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("test_acc") == 1  # only rank 0 reports
+    metrics = read_metrics(run_dir / "run.h5")
+    assert metrics["step"].tolist() == [10.0, 20.0]  # 320 / 2 processes / batch 16
+    assert read_status(run_dir / "run.h5") == "finished"

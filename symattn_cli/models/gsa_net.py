@@ -60,7 +60,12 @@ def crop(x: torch.Tensor, size: int) -> torch.Tensor:
 
 class GSABlock(nn.Module):
     """``a = drop(act(norm(SA(act(norm(x)))))); out = crop(a) + crop(shortcut(x));
-    out = out + norm(conv(act(norm(conv(out)))))`` (the reference transformer block)."""
+    out = out + norm(conv(act(norm(conv(out)))))`` (the reference transformer block).
+
+    Equivariant: every piece commutes with L_g (the norm pools over the whole (C, N, H, W)
+    orbit, the crop is symmetric). The crop is applied inside the attention, so the norm after
+    it sees the cropped map (the reference normalises before cropping).
+    """
 
     def __init__(
         self,
@@ -89,9 +94,10 @@ class GSABlock(nn.Module):
         self.crop_size = crop_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, N, H, W)
-        a = self.post(self.attention(self.pre(x)))  # (B, C', N, H, W)
+        # The attention computes only the pixels that survive the crop (no wasted queries).
+        a = self.post(self.attention(self.pre(x), crop=self.crop_size))  # (B, C', N, H-2c, W-2c)
         skip = x if self.shortcut is None else self.shortcut(x)
-        out = crop(a, self.crop_size) + crop(skip, self.crop_size)  # (B, C', N, H-2c, W-2c)
+        out = a + crop(skip, self.crop_size)  # (B, C', N, H-2c, W-2c)
         return out + self.mlp(out)
 
 

@@ -119,13 +119,22 @@ class GroupSelfAttention(nn.Module):
         self.attention_dropout = nn.Dropout(attention_dropout)
 
     # ------------------------------------------------------------------ public
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` (lifting) or group features ``(B, C, N, H, W)``."""
+    def forward(self, x: torch.Tensor, crop: int = 0) -> torch.Tensor:
+        """Images ``(B, C, H, W)`` (lifting) or group features ``(B, C, N, H, W)``.
+
+        ``crop`` > 0 returns only the output pixels ``crop`` away from every border (the
+        local path then computes no queries for the others).
+        """
         x = self._as_group_features(x)  # (B, C, M, H, W)
         b, _, m, height, width = x.shape
+        if 2 * crop >= min(height, width):
+            raise ValueError(f"crop={crop} leaves nothing of a {height}x{width} map")
+        if self.patch_size is not None:
+            return self._attend_local(x, crop)
         coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device).reshape(-1, 2)
-        out = self._attend(x.reshape(b, -1, m, height * width), coords, (height, width))
-        return out.reshape(b, -1, self.group.order, height, width)  # (B, C_out, N, H, W)
+        out = self._attend_points(x.reshape(b, -1, m, height * width), coords)
+        out = out.reshape(b, -1, self.group.order, height, width)  # (B, C_out, N, H, W)
+        return out[..., crop : height - crop, crop : width - crop]
 
     def forward_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """Global attention on a point set: ``x`` ``(B, C, I)`` (lifting) or ``(B, C, N, I)``,
@@ -138,9 +147,9 @@ class GroupSelfAttention(nn.Module):
             raise ValueError("forward_points needs a global layer (patch_size=None)")
         if self.lifting:
             x = x.unsqueeze(2)  # (B, C, 1, I)
-        return self._attend(x, coords.to(x.dtype), None)
+        return self._attend_points(x, coords.to(x.dtype))
 
-    # ------------------------------------------------------------------ core
+    # ------------------------------------------------------------------ encodings
     def _as_group_features(self, x: torch.Tensor) -> torch.Tensor:
         if self.lifting:
             if x.dim() != 4:
@@ -153,133 +162,211 @@ class GroupSelfAttention(nn.Module):
             )
         return x
 
-    def _attend(self, x: torch.Tensor, coords: torch.Tensor, grid) -> torch.Tensor:
-        """``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``; ``grid`` is (H, W) when local."""
-        b, _, m, n_points = x.shape
-        h, d, n = self.heads, self.head_dim, self.group.order
-        q = self.query(x).reshape(b * h, d, m, n_points)  # (Z, d, G, I)
-        k = self.key(x).reshape(b * h, d, m, n_points)  # (Z, d, M, I)
-        v = self.value(x).reshape(b * h, d, m, n_points)  # (Z, d, M, I)
-
-        inv_mats = self.group.matrices(x.dtype).to(x.device)[self.group.inverse]  # (V, 2, 2)
-        valid = None
-        if self.patch_size is not None:
-            if grid is None:
-                raise ValueError("local attention needs a grid")
-            p = self.patch_size
-            offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
-            scale = self.max_offset or max(p // 2, 1)
-            ones = torch.ones(1, 1, *grid, dtype=x.dtype, device=x.device)
-            valid = F.unfold(ones, p, padding=p // 2)[0] > 0.5  # (J, I)
-        else:
-            offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
-            scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
-        rho_xy = None
+    def _encodings(self, offsets: torch.Tensor, scale: float):
+        """rho_xy(v^-1 offsets) ``(V, ..., E)`` and rho_H ``(G, M, E)`` (or ``(V, G, M, E)``)."""
+        rho_xy = rho_h = None
         if self.position is not None:
-            rho_xy = self.position(offsets, inv_mats, scale)  # (V, J, E) or (V, I, J, E)
-        rho_h = None
+            inv = self.group.matrices(offsets.dtype).to(offsets.device)[self.group.inverse]
+            rho_xy = self.position(offsets, inv, scale)  # (V, ..., E)
         if self.group_embedding is not None:
             if self.group_index == "relative":
                 rho_h = self.group_embedding[self.group.relative]  # (G, M, E): rho_H(g^-1 m)
             else:  # negative control: the reference's (m - g + v) index, v-dependent
                 idx = self.group.cayley[:, self.group.relative]  # (V, G, M): v g^-1 m
                 rho_h = self.group_embedding[idx]  # (V, G, M, E)
+        return rho_xy, rho_h
 
-        z = q.shape[0]
-        n_keys = valid.shape[0] if valid is not None else n_points
-        per_z = n_points * n_keys * (m * m + n * m + 2 * d * m)
-        step = max(1, self.chunk_elements // max(per_z, 1))
-        use_ckpt = self.checkpointing and torch.is_grad_enabled() and self.training
-        outs = []
-        for start in range(0, z, step):
-            sl = slice(start, start + step)
-            args = (q[sl], k[sl], v[sl], rho_xy, rho_h, valid, grid)
-            if use_ckpt:
-                outs.append(checkpoint(self._chunk, *args, use_reentrant=False))
-            else:
-                outs.append(self._chunk(*args))
-        out = torch.cat(outs, dim=0)  # (Z, I, V, d)
-        out = out.reshape(b, h, n_points, n, d).permute(0, 1, 4, 3, 2)  # (B, h, d, V, I)
-        return self.w_out(out.reshape(b, h * d, n, n_points))  # (B, C_out, N, I)
+    def _qkv(self, x: torch.Tensor):
+        """``x`` ``(B, C, M, ...)`` -> q, k, v each ``(Z, d, M, ...)``."""
+        b, _, m = x.shape[:3]
+        flat = x.reshape(b, x.shape[1], m, -1)  # (B, C, M, I)
+        shape = (b * self.heads, self.head_dim, m, *x.shape[3:])
+        return tuple(f(flat).reshape(shape) for f in (self.query, self.key, self.value))
 
-    def _chunk(self, q, k, v, rho_xy, rho_h, valid, grid) -> torch.Tensor:
-        """One chunk of Z: q ``(z, d, G, I)``, k, v ``(z, d, M, I)`` -> ``(z, I, V, d)``.
+    def _run(self, fn, *args):
+        if self.checkpointing and torch.is_grad_enabled() and self.training:
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
-        Keys are laid out ``(J, M)`` and logits ``(z, I, J, M, G)`` so that every contraction
-        is a batched matrix product over contiguous memory.
+    def _output(self, out: torch.Tensor, b: int, spatial: tuple[int, ...]) -> torch.Tensor:
+        """``(Z, d, V, *spatial)`` -> W_out -> ``(B, C_out, N, *spatial)``."""
+        n_points = math.prod(spatial)
+        out = out.reshape(b, self.heads * self.head_dim, self.group.order, n_points)
+        return self.w_out(out).reshape(b, -1, self.group.order, *spatial)
+
+    # ------------------------------------------------------------------ local (P x P)
+    def _attend_local(self, x: torch.Tensor, crop: int) -> torch.Tensor:
+        """Local attention on the grid, spatial-major so neighbours are slices, not copies.
+
+        Keys and values are zero-padded by P//2 and laid out ``(Hp*Wp, Z, M, d)``; queries sit
+        on the padded-width grid ``(y, x)``, x < Wp, so the neighbour at offset (dy, dx) of
+        flat query index l is flat key index l + dy*Wp + dx: a contiguous slice per offset.
+        Columns x >= W are computed and dropped.
         """
-        zc, d, m, n_points = k.shape
-        g_size, n = q.shape[2], self.group.order
+        b, _, m, height, width = x.shape
+        p, r = self.patch_size, self.patch_size // 2
+        q, k, v = self._qkv(x)  # (Z, d, M, H, W)
+        z, d = q.shape[:2]
+        wp = width + 2 * r
+        # pad r on every side plus one spare row so every offset slice stays in range
+        k = F.pad(k, (r, r, r, r + 1)).permute(3, 4, 0, 2, 1)  # (Hp+1, Wp, Z, M, d)
+        v = F.pad(v, (r, r, r, r + 1)).permute(3, 4, 0, 2, 1)  # (Hp+1, Wp, Z, M, d)
+        k, v = k.reshape(-1, z, m, d), v.reshape(-1, z, m, d)  # (L_kv, Z, M, d)
+        q = F.pad(q, (0, 2 * r)).permute(3, 4, 0, 2, 1).reshape(-1, z, m, d)  # (H*Wp, Z, G, d)
+
+        offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
+        rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
+        # valid[y, x, dy, dx]: the neighbour lies inside the image (garbage columns: all True)
+        ys = torch.arange(height, device=x.device)[:, None, None, None]
+        xs = torch.arange(wp, device=x.device)[None, :, None, None]
+        dys = torch.arange(p, device=x.device)[None, None, :, None] - r
+        dxs = torch.arange(p, device=x.device)[None, None, None, :] - r
+        inside = (ys + dys >= 0) & (ys + dys < height) & (xs + dxs >= 0) & (xs + dxs < width)
+        valid = (inside | (xs >= width)).reshape(height * wp, p * p)  # (H*Wp, J)
+
+        n = self.group.order
+        per_row = wp * z * p * p * (m * m + n * m + 2 * d * m)
+        rows = max(1, self.chunk_elements // max(per_row, 1))
+        row_lo, row_hi = crop, height - crop
+        outs = []
+        for y0 in range(row_lo, row_hi, rows):
+            y1 = min(y0 + rows, row_hi)
+            lo, hi = y0 * wp, y1 * wp
+            span = hi - lo + (p - 1) * wp + (p - 1)  # keys reached from queries lo..hi
+            outs.append(
+                self._run(
+                    self._local_band,
+                    q[lo:hi], k[lo : lo + span], v[lo : lo + span], rho_xy, rho_h, valid[lo:hi],
+                    wp,
+                )
+            )  # fmt: skip
+        out = torch.cat(outs, dim=0)  # (rows*Wp, Z, V, d)
+        out = out.reshape(row_hi - row_lo, wp, z, n, d)[:, crop : width - crop]  # (H', W', Z, V, d)
+        out = out.permute(2, 4, 3, 0, 1)  # (Z, d, V, H', W')
+        return self._output(out, b, (row_hi - row_lo, width - 2 * crop))
+
+    def _local_band(self, q, k, v, rho_xy, rho_h, valid, wp: int) -> torch.Tensor:
+        """q ``(L, Z, G, d)``, k, v ``(L + span, Z, M, d)`` -> ``(L, Z, V, d)``; ``wp`` is the
+        padded row length, so offset (dy, dx) is the key slice starting at dy * wp + dx."""
+        n_q, z, g_size, d = q.shape
+        m = k.shape[2]
+        p = self.patch_size
+        wp_offsets = [dy * wp + dx for dy in range(p) for dx in range(p)]
+        q_flat = q.reshape(n_q * z, g_size, d)  # (LZ, G, d)
+        k_nb = [k[o : o + n_q].reshape(n_q * z, m, d) for o in wp_offsets]  # J x (LZ, M, d)
+        v_nb = [v[o : o + n_q].reshape(n_q * z, m, d) for o in wp_offsets]  # J x (LZ, M, d)
+        content = torch.stack([kj @ q_flat.transpose(1, 2) for kj in k_nb], dim=1)  # (LZ,J,M,G)
+        content = content.view(n_q, z, p * p, m, g_size)  # (L, Z, J, M, G)
+        mask = valid[:, None, :, None, None]  # (L, 1, J, 1, 1)
+
+        def weigh(a: torch.Tensor) -> torch.Tensor:  # (L, Z, J, M, G) -> (L, Z, G, J, d)
+            a = a.reshape(n_q * z, p * p, m, g_size)  # (LZ, J, M, G)
+            parts = [a[:, j].transpose(1, 2) @ v_nb[j] for j in range(p * p)]  # J x (LZ, G, d)
+            return torch.stack(parts, dim=2).view(n_q, z, g_size, p * p, d)
+
+        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (L, Z, J, M, G) -> (L, Z, G, d)
+            a = a.reshape(n_q * z, p * p, m, g_size)  # (LZ, J, M, G)
+            out = sum(a[:, j].transpose(1, 2) @ v_nb[j] for j in range(p * p))  # (LZ, G, d)
+            return out.view(n_q, z, g_size, d)
+
+        return self._mix(q, content, mask, rho_xy, rho_h, weigh, weigh_all, v_nb)
+
+    # ------------------------------------------------------------------ global
+    def _attend_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """Global attention, ``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``."""
+        b, _, m, n_points = x.shape
+        q, k, v = self._qkv(x)  # (Z, d, M, I)
+        offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
+        scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
+        rho_xy, rho_h = self._encodings(offsets, scale)  # (V, I, J, E)
+        z, d = q.shape[:2]
+        q = q.permute(3, 0, 2, 1)  # (I, Z, G, d)
+        k = k.permute(0, 3, 2, 1)  # (Z, J, M, d)
+        v = v.permute(0, 3, 2, 1)  # (Z, J, M, d)
+        n = self.group.order
+        per_point = z * n_points * (m * m + n * m + 2 * d * m)
+        step = max(1, self.chunk_elements // max(per_point, 1))
+        outs = []
+        for lo in range(0, n_points, step):
+            sl = slice(lo, lo + step)
+            r_xy = None if rho_xy is None else rho_xy[:, sl]
+            outs.append(self._run(self._global_chunk, q[sl], k, v, r_xy, rho_h))
+        out = torch.cat(outs, dim=0).permute(1, 3, 2, 0)  # (Z, d, V, I)
+        return self._output(out, b, (n_points,))
+
+    def _global_chunk(self, q, k, v, rho_xy, rho_h) -> torch.Tensor:
+        """q ``(I, Z, G, d)``, k, v ``(Z, J, M, d)`` -> ``(I, Z, V, d)``."""
+        n_q, z, g_size, d = q.shape
+        j, m = k.shape[1], k.shape[2]
+        content = torch.einsum("izgc,zjmc->izjmg", q, k)  # (I, Z, J, M, G)
+
+        def weigh(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, J, d)
+            return torch.einsum("izjmg,zjmc->izgjc", a, v)
+
+        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, d)
+            return torch.einsum("izjmg,zjmc->izgc", a, v)
+
+        return self._mix(q, content, None, rho_xy, rho_h, weigh, weigh_all, v)
+
+    # ------------------------------------------------------------------ shared core
+    def _mix(self, q, content, mask, rho_xy, rho_h, weigh, weigh_all, v) -> torch.Tensor:
+        """The attention itself, shared by local and global neighbourhoods.
+
+        q ``(L, Z, G, d)``, content ``(L, Z, J, M, G)``, mask ``(L, 1, J, 1, 1)`` or None,
+        rho_xy ``(V, J, E)`` (local) or ``(V, L, J, E)`` (global), rho_h ``(G, M, E)``;
+        ``weigh(a)`` = sum_m a v ``(L, Z, G, J, d)``, ``weigh_all(a)`` = sum_jm a v
+        ``(L, Z, G, d)``. Returns ``(L, Z, V, d)``.
+        """
+        n_q, z, g_size, d = q.shape
+        j = content.shape[2]
+        n, e_xy = self.group.order, self.pos_dim
         scale = 1.0 / math.sqrt(d)
-        e_xy = self.pos_dim
-        q_t = q.permute(0, 3, 2, 1)  # (z, I, G, d)
-        if valid is not None:  # local: gather the P x P neighbourhood of every query
-            p = self.patch_size
-            j = p * p
-            k = F.unfold(k.reshape(zc, d * m, *grid), p, padding=p // 2)  # (z, d*M*J, I)
-            v = F.unfold(v.reshape(zc, d * m, *grid), p, padding=p // 2)  # (z, d*M*J, I)
-            k = k.reshape(zc, d, m, j, n_points).permute(0, 4, 3, 2, 1)  # (z, I, J, M, d)
-            v = v.reshape(zc, d, m, j, n_points).permute(0, 4, 3, 2, 1)  # (z, I, J, M, d)
-        else:  # global: every point is a neighbour of every query
-            j = n_points
-            k = k.permute(0, 3, 2, 1)[:, None].expand(zc, n_points, j, m, d)  # (z, I, J, M, d)
-            v = v.permute(0, 3, 2, 1)[:, None].expand(zc, n_points, j, m, d)  # (z, I, J, M, d)
-        k = k.reshape(zc * n_points, j * m, d)  # (zI, JM, d)
-        v = v.reshape(zc * n_points, j, m, d)  # (zI, J, M, d)
-        logits = torch.matmul(k, q_t.reshape(zc * n_points, g_size, d).transpose(1, 2))
-        logits = logits.view(zc, n_points, j, m, g_size)  # (z, I, J, M, G)
         shifted = rho_h is not None and rho_h.dim() == 4
+        logits = content
         if rho_h is not None and not shifted:
-            group_term = torch.einsum("zige,gme->zimg", q_t[..., e_xy:], rho_h)  # (z, I, M, G)
-            logits = logits + group_term[:, :, None]  # (z, I, J, M, G)
+            group_term = torch.einsum("lzge,gme->lzmg", q[..., e_xy:], rho_h)  # (L, Z, M, G)
+            logits = logits + group_term[:, :, None]  # (L, Z, J, M, G)
         logits = logits * scale
-        if valid is not None:
-            outside = ~valid.T[None, :, :, None, None]  # (1, I, J, 1, 1)
-            logits = logits.masked_fill(outside, float("-inf"))
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
 
         spatial = None
         if rho_xy is not None:  # q_ig . rho_xy(v^-1 (x_j - x_i))
-            q_xy = q_t[..., :e_xy]  # (z, I, G, e)
-            if rho_xy.dim() == 3:  # local: (V, J, e), one dense product
-                spatial = q_xy.reshape(-1, e_xy) @ rho_xy.reshape(-1, e_xy).T  # (zIG, VJ)
-                spatial = spatial.view(zc, n_points, g_size, n, j)  # (z, I, G, V, J)
-            else:  # global: (V, I, J, e)
-                spatial = torch.einsum("zige,vije->zigvj", q_xy, rho_xy)  # (z, I, G, V, J)
+            q_xy = q[..., :e_xy]  # (L, Z, G, e)
+            if rho_xy.dim() == 3:  # local: one dense product with (V*J, e)
+                spatial = q_xy.reshape(-1, e_xy) @ rho_xy.reshape(-1, e_xy).T  # (LZG, VJ)
+                spatial = spatial.view(n_q, z, g_size, n, j)  # (L, Z, G, V, J)
+            else:
+                spatial = torch.einsum("lzge,vlje->lzgvj", q_xy, rho_xy)  # (L, Z, G, V, J)
             spatial = spatial * scale
 
         if self.query_form == "single":  # g = v: one softmax over (j, m) per output element
             if spatial is not None:
-                diag = torch.diagonal(spatial, dim1=2, dim2=3)  # (z, I, J, G)
-                logits = logits + diag[:, :, :, None, :]  # (z, I, J, M, G)
+                diag = torch.diagonal(spatial, dim1=2, dim2=3)  # (L, Z, J, G)
+                logits = logits + diag[:, :, :, None, :]  # (L, Z, J, M, G)
             a = torch.exp(logits - logits.amax(dim=(2, 3), keepdim=True).detach())
-            attn = a / a.sum(dim=(2, 3), keepdim=True)  # (z, I, J, M, G)
-            attn = self.attention_dropout(attn).reshape(zc * n_points, j * m, g_size)
-            out = attn.transpose(1, 2) @ v.reshape(zc * n_points, j * m, d)  # (zI, G, d)
-            return out.view(zc, n_points, g_size, d)  # (z, I, V, d)
+            attn = self.attention_dropout(a / a.sum(dim=(2, 3), keepdim=True))
+            return weigh_all(attn)  # (L, Z, V, d)
 
         if spatial is None:
-            spatial = logits.new_zeros(zc, n_points, g_size, n, j)
-        if shifted:  # negative control: v-dependent group term, full N^3 logits
-            group_term = torch.einsum("zige,vgme->zimgv", q_t[..., e_xy:], rho_h) * scale
-            full = logits[..., None] + group_term[:, :, None]  # (z, I, J, M, G, V)
-            full = full + spatial.permute(0, 1, 4, 2, 3)[:, :, :, None]  # (z, I, J, M, G, V)
-            full = full - full.amax(dim=(2, 3), keepdim=True).detach()
-            attn = torch.exp(full) / torch.exp(full).sum(dim=(2, 3), keepdim=True)
+            spatial = logits.new_zeros(n_q, z, g_size, n, j)
+        if shifted:  # negative control: v-dependent group term, full N^3 P^2 logits
+            group_term = torch.einsum("lzge,vgme->lzmgv", q[..., e_xy:], rho_h) * scale
+            full = logits[..., None] + group_term[:, :, None]  # (L, Z, J, M, G, V)
+            full = full + spatial.permute(0, 1, 4, 2, 3)[:, :, :, None]  # (L, Z, J, M, G, V)
+            attn = torch.softmax(full.flatten(2, 3), dim=2).view_as(full)
             attn = self.attention_dropout(attn)
-            v = v.reshape(zc, n_points, j, m, d)  # (z, I, J, M, d)
-            return torch.einsum("zijmgv,zijmc->zivc", attn, v)  # (z, I, V, d)
+            per_v = [weigh_all(attn[..., i]).sum(dim=2) for i in range(n)]  # V x (L, Z, d)
+            return torch.stack(per_v, dim=2)  # (L, Z, V, d)
 
         # softmax_{(j,m)}(a_jmg + s_gvj) = exp(a_jmg) exp(s_gvj) / sum_{j,m}(same)
-        a = torch.exp(logits - logits.amax(dim=(2, 3), keepdim=True).detach())  # (z,I,J,M,G)
-        s = torch.exp(spatial - spatial.amax(dim=-1, keepdim=True).detach())  # (z,I,G,V,J)
-        a_sum = a.sum(dim=3).permute(0, 1, 3, 2).unsqueeze(-1)  # (z, I, G, J, 1)
-        norm = torch.matmul(s, a_sum)  # (z, I, G, V, 1)
+        a = torch.exp(logits - logits.amax(dim=(2, 3), keepdim=True).detach())  # (L,Z,J,M,G)
+        s = torch.exp(spatial - spatial.amax(dim=-1, keepdim=True).detach())  # (L,Z,G,V,J)
+        norm = s @ a.sum(dim=3).permute(0, 1, 3, 2).unsqueeze(-1)  # (L, Z, G, V, 1)
         # Dropout on exp(content + group) drops attention weights with a mask shared over v.
-        a = self.attention_dropout(a).view(zc * n_points * j, m, g_size)  # (zIJ, M, G)
-        weighted = torch.matmul(a.transpose(1, 2), v.reshape(-1, m, d))  # (zIJ, G, d)
-        weighted = weighted.view(zc, n_points, j, g_size, d).transpose(2, 3)  # (z, I, G, J, d)
-        num = torch.matmul(s, weighted)  # (z, I, G, V, d)
-        return (num / norm).sum(dim=2)  # (z, I, V, d)
+        weighted = weigh(self.attention_dropout(a))  # (L, Z, G, J, d)
+        num = s @ weighted  # (L, Z, G, V, d)
+        return (num / norm).sum(dim=2)  # (L, Z, V, d)
 
 
 def lifting_self_attention(**kwargs) -> GroupSelfAttention:

@@ -296,8 +296,6 @@ class GroupSelfAttention(nn.Module):
 
     def _global_chunk(self, q, k, v, rho_xy, rho_h) -> torch.Tensor:
         """q ``(I, Z, G, d)``, k, v ``(Z, J, M, d)`` -> ``(I, Z, V, d)``."""
-        n_q, z, g_size, d = q.shape
-        j, m = k.shape[1], k.shape[2]
         content = torch.einsum("izgc,zjmc->izjmg", q, k)  # (I, Z, J, M, G)
 
         def weigh(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, J, d)

@@ -1,0 +1,66 @@
+"""GSA-Net: parameter counts of the paper's architectures, invariance, config entry points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symattn_cli
+from symattn_cli.data.base import DataSpec
+from symattn_cli.models.gsa_net import build
+from symattn_cli.verify.gsa import layer_equivariance
+
+ROTMNIST = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist")
+REFERENCE_PARAMS = {
+    "z2": 44_368, "r4": 44_428, "r8": 44_508, "r12": 44_588, "r16": 44_668,
+    "z2m": 44_388, "r4m": 44_508,
+}  # fmt: skip
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("group,expected", REFERENCE_PARAMS.items())
+def test_rotmnist_parameter_counts(group, expected):
+    assert abs(n_params(build({"group": group}, ROTMNIST)) - expected) <= 0.02 * expected
+
+
+def test_cifar_and_pcam_architectures_follow_the_data():
+    cifar = DataSpec(task="classify", num_classes=10, in_channels=3, image_size=32, arch="cifar10")
+    pcam = DataSpec(task="classify", num_classes=2, in_channels=3, image_size=96, arch="pcam")
+    assert abs(n_params(build({"group": "z2"}, cifar)) - 3.00e6) <= 0.02 * 3.00e6
+    assert abs(n_params(build({"group": "z2"}, pcam)) - 207e3) <= 0.02 * 207e3
+    forced = build({"group": "z2", "arch": "rotmnist"}, cifar)
+    assert n_params(forced) < 50_000
+    with pytest.raises(ValueError, match="arch"):
+        build({"group": "z2", "arch": "imagenet"}, cifar)
+
+
+@pytest.mark.parametrize("size", [6, 7])
+@pytest.mark.parametrize("group", ["z4", "r8", "z4m", "mirror"])
+def test_network_logits_are_invariant(group, size):
+    records = layer_equivariance(group, "network", image_size=size)
+    assert max(r["max_rel"] for r in records) <= 1e-10
+
+
+@pytest.mark.parametrize("group", ["z4", "r8m"])
+def test_block_is_equivariant(group):
+    records = layer_equivariance(group, "block", image_size=7)
+    assert max(r["max_rel"] for r in records) <= 1e-10
+
+
+def test_create_model_and_presets():
+    model = symattn_cli.create_model("r8_sa")
+    assert model.group is symattn_cli.get_group("r8")
+    assert abs(n_params(model) - 44_508) <= 0.02 * 44_508
+    assert symattn_cli.create_model("z4_sa").group == symattn_cli.get_group("r4")
+    mini = symattn_cli.create_model("gsa_mini").eval()
+    with torch.no_grad():
+        assert mini(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_full_rotmnist_model_runs_on_28x28():
+    model = build({"group": "r4"}, ROTMNIST).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 1, 28, 28)).shape == (1, 10)

@@ -58,17 +58,29 @@ class VerifyConfig:
 
 @dataclass
 class BenchmarkConfig:
-    preset: str = "default"
-    device: str = "cpu"
-    repeats: int = 5
-    warmup: int = 2
-    threads: int = 0
-    fresh_process: bool = True
+    """``symattn benchmark``: a preset's cases, narrowed or re-sized by the axis lists.
+
+    Empty lists and ``null`` mean "the preset's". ``groups``/``models``/``layers`` filter the
+    preset's cases; ``batch_sizes``/``image_sizes``/``patch_sizes`` set every case to each
+    value given (``patch_sizes`` 0 = global attention).
+    """
+
+    preset: str = "default"  # reference | default | quick
+    device: str = "cpu"  # cpu | cuda | cuda:<index>
+    repeats: int | None = None  # timed steps per mode (median and spread over these)
+    warmup: int | None = None  # untimed steps first
+    threads: int | None = None  # CPU threads; 0 = PyTorch's default
+    fresh_process: bool | None = None  # one fresh Python process per case
+    modes: list[str] = field(default_factory=list)  # train (forward+backward) | forward
     groups: list[str] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)  # gsa | conv | gconv
     batch_sizes: list[int] = field(default_factory=list)
     image_sizes: list[int] = field(default_factory=list)
     patch_sizes: list[int] = field(default_factory=list)
+    count_flops: bool = True
+    case_timeout: float = 600.0  # seconds per case (fresh processes only)
+    seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plot: bool = True
     name: str = "benchmark"

@@ -33,6 +33,16 @@ class Tracker:
         if self._run is not None:
             self._run.log(dict(values), step=step)
 
+    def log_table(self, name: str, rows: list[Mapping[str, Any]]) -> None:
+        """Log ``rows`` (dicts; the union of their keys are the columns) as a ``wandb.Table``."""
+        if self._run is None or not rows:
+            return
+        import wandb
+
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        data = [[row.get(column) for column in columns] for row in rows]
+        self._run.log({name: wandb.Table(columns=columns, data=data)})
+
     def summary(self, values: Mapping[str, float]) -> None:
         if self._run is not None:
             for key, value in values.items():

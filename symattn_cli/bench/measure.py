@@ -1,0 +1,373 @@
+"""Time, peak memory and FLOPs of one benchmark case, in this process or in a fresh one.
+
+A *case* is one layer or one model at one size (:class:`Case`). A *measurement* runs, for each
+mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
+
+* time: median, inter-quartile range and minimum of the timed steps (seconds, wall clock;
+  ``torch.cuda.synchronize`` around each step on CUDA);
+* memory: the peak growth during the mode's steps (warm-up included) over a baseline taken
+  after the module and its input exist. CPU: peak resident set size (``VmHWM``) minus the
+  resident set before the first step, with the peak counter reset in between modes
+  (``malloc_trim`` hands freed heap back, ``/proc/self/clear_refs`` ``5`` resets ``VmHWM``).
+  CUDA: ``max_memory_allocated`` minus ``memory_allocated`` after ``reset_peak_memory_stats``;
+* FLOPs: the multiply-adds of matrix products and convolutions (``mm``, ``bmm``, ``einsum``,
+  ``conv``; 2 FLOPs per multiply-add) of one step, counted by
+  ``torch.utils.flop_counter.FlopCounterMode`` with activation recomputation switched off, so
+  a checkpointed layer's recomputed forward is not counted twice. Element-wise work (exp,
+  softmax, norms) is not counted. Achieved FLOP/s is that count over the median time, and its
+  fraction of the matrix-multiply throughput measured by :func:`matmul_gflops` in the same
+  process just before the case.
+
+Modes: ``forward`` is inference (``eval()``, ``torch.no_grad()``); ``train`` is a training step
+(``train()``, forward + backward of a scalar loss, gradients dropped after each step). ``train``
+runs first, so one-off library initialisation (thread pools, kernels) is charged to it, as in
+the reference measurement (peak RSS growth of a process from before its first step).
+
+``python -m symattn_cli.bench.measure`` reads ``{"case": {...}, "settings": {...}}`` as JSON on
+stdin and prints the result as one JSON line: :func:`measure_fresh` uses it so that every case
+starts from a clean process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MODES = ("train", "forward")
+LAYERS = ("gsa", "conv", "gconv")
+MB = 1e6
+
+
+@dataclass
+class Case:
+    """One thing to measure: a layer (``kind="layer"``) or a registered model (``"model"``).
+
+    Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
+    ``query_form`` sum | single, ``patch_size`` P or 0 for global), ``conv`` (``Conv2d`` with
+    a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
+    ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
+    """
+
+    kind: str = "layer"
+    name: str = "gsa"
+    group: str = "z2"
+    lifting: bool = False
+    query_form: str = "sum"
+    patch_size: int = 5  # 0 = global attention
+    image_size: int = 28
+    batch: int = 2
+    channels: int = 20
+    heads: int = 9
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def form(self) -> str:
+        """``lifting``, ``sum`` or ``single`` for group layers; ``-`` otherwise."""
+        if self.kind == "model":
+            return self.overrides.get("query_form", "sum") if self.name.endswith("_sa") else "-"
+        if self.lifting:
+            return "lifting"
+        return self.query_form if self.name == "gsa" else "group"
+
+    @property
+    def label(self) -> str:
+        size = f"{self.image_size}px b{self.batch}"
+        if self.kind == "model":
+            extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
+            return f"{self.name}{extra} {size}"
+        patch = "global" if self.patch_size == 0 else f"P{self.patch_size}"
+        return f"{self.name} {self.group} {self.form} {patch} {size}"
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass
+class Settings:
+    repeats: int = 5
+    warmup: int = 2
+    threads: int = 0  # 0 = PyTorch's default
+    device: str = "cpu"
+    modes: tuple[str, ...] = MODES
+    count_flops: bool = True
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- building a case
+
+
+def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+    """``(module, input, loss_fn)`` for ``case`` on ``device``, in fp32."""
+    import torch
+
+    from symattn_cli.groups import get_group
+
+    if case.kind == "model":
+        from symattn_cli.data.base import DataSpec
+        from symattn_cli.models.registry import create_model
+
+        spec = DataSpec(task="classify", num_classes=10, in_channels=1,
+                        image_size=case.image_size, arch="rotmnist")  # fmt: skip
+        module = create_model(case.name, spec=spec, **case.overrides)
+        x = torch.randn(case.batch, 1, case.image_size, case.image_size)
+        y = torch.randint(0, 10, (case.batch,), device=device)
+
+        def loss(out):
+            return torch.nn.functional.cross_entropy(out, y)
+
+        return module.to(device), x.to(device), loss
+    if case.kind != "layer" or case.name not in LAYERS:
+        raise ValueError(f"unknown case {case.kind}/{case.name}; layers are {LAYERS}")
+    group = get_group(case.group)
+    c, side = case.channels, case.image_size
+    if case.name == "gsa":
+        from symattn_cli.nn.gsa import GroupSelfAttention
+
+        module = GroupSelfAttention(
+            group=group, in_channels=c, out_channels=c, heads=case.heads,
+            patch_size=case.patch_size or None, lifting=case.lifting,
+            query_form=case.query_form, attention_dropout=0.0,
+        )  # fmt: skip
+    elif case.name == "conv":
+        module = torch.nn.Conv2d(c, c, case.patch_size, padding=case.patch_size // 2)
+    else:
+        from symattn_cli.models.gcnn import GroupConv, LiftingConv
+
+        conv = LiftingConv if case.lifting else GroupConv
+        module = conv(group=group, in_channels=c, out_channels=c, kernel_size=case.patch_size)
+    on_group = case.name != "conv" and not case.lifting
+    shape = (case.batch, c, group.order, side, side) if on_group else (case.batch, c, side, side)
+    # A layer inside a network also back-propagates into its input (not the first one).
+    x = torch.randn(*shape, device=device).requires_grad_(on_group or case.name == "conv")
+
+    def loss(out):
+        return out.square().mean()
+
+    return module.to(device), x, loss
+
+
+def parameter_count(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------- memory counters
+
+
+def _status_kb(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field_name} line (Linux only)")
+
+
+class CpuMemory:
+    """Peak resident-set growth; the peak counter is reset by :meth:`start`."""
+
+    def __init__(self) -> None:
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:  # not glibc: freed heap may stay resident (growth reads lower)
+            self._trim = None
+        self.resettable = True
+        self._base = 0
+
+    def start(self) -> None:
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+        except OSError:
+            self.resettable = False
+        self._base = _status_kb("VmRSS") * 1024
+
+    def peak_growth(self) -> float:
+        return max(_status_kb("VmHWM") * 1024 - self._base, 0)
+
+
+class CudaMemory:
+    """Peak allocated-memory growth on a CUDA device (PyTorch's caching allocator)."""
+
+    resettable = True
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._base = 0
+
+    def start(self) -> None:
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+
+    def peak_growth(self) -> float:
+        import torch
+
+        return max(torch.cuda.max_memory_allocated(self.device) - self._base, 0)
+
+
+# ---------------------------------------------------------------- steps and counters
+
+
+def _step_fn(module: Any, x: Any, loss_fn: Callable[[Any], Any], mode: str) -> Callable[[], None]:
+    import torch
+
+    if mode == "forward":
+        module.eval()
+        x_in = x.detach()  # no autograd metadata at all (FlopCounterMode's module hooks)
+
+        def step() -> None:
+            with torch.no_grad():
+                module(x_in)
+
+    else:
+        module.train()
+
+        def step() -> None:
+            loss_fn(module(x)).backward()
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+
+    return step
+
+
+def _sync(device: Any) -> Callable[[], None]:
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def time_steps(step: Callable[[], None], *, warmup: int, repeats: int, sync) -> list[float]:
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summarize_times(times: list[float]) -> dict[str, float]:
+    """Median, inter-quartile range and minimum of step times."""
+    if len(times) >= 2:
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    else:
+        q1 = q3 = times[0]
+    return {"time_s": statistics.median(times), "time_iqr_s": q3 - q1, "time_min_s": min(times)}
+
+
+def count_flops(step: Callable[[], None], module: Any) -> int:
+    """Matrix-product and convolution FLOPs of one step, without activation recomputation."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved = {m: m.checkpointing for m in module.modules() if hasattr(m, "checkpointing")}
+    for m in saved:
+        m.checkpointing = False
+    try:
+        with FlopCounterMode(display=False) as counter:
+            step()
+    finally:
+        for m, value in saved.items():
+            m.checkpointing = value
+    return int(counter.get_total_flops())
+
+
+def matmul_gflops(*, size: int = 1024, repeats: int = 5, device: Any = None) -> float:
+    """Measured fp32 matrix-multiply throughput (median GFLOP/s of ``size``-square GEMMs)."""
+    import torch
+
+    device = torch.device(device or "cpu")
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    sync = _sync(device)
+    times = time_steps(lambda: torch.mm(a, b), warmup=2, repeats=repeats, sync=sync)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+# ---------------------------------------------------------------- one case
+
+
+def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
+    """Measure ``case`` in this process; returns one result row (see the module docstring)."""
+    import torch
+
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    device = torch.device(settings.device)
+    gemm = matmul_gflops(device=device)
+    module, x, loss_fn = build_case(case, device)
+    memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()
+    sync = _sync(device)
+    row: dict[str, Any] = {
+        "params": parameter_count(module),
+        "gemm_gflops": gemm,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    for mode in settings.modes:
+        step = _step_fn(module, x, loss_fn, mode)
+        memory.start()
+        times = time_steps(step, warmup=settings.warmup, repeats=settings.repeats, sync=sync)
+        row[f"{mode}_mem_mb"] = memory.peak_growth() / MB
+        for key, value in summarize_times(times).items():
+            row[f"{mode}_{key}"] = value
+    if not memory.resettable:  # only the first mode's peak is its own
+        for mode in settings.modes[1:]:
+            row[f"{mode}_mem_mb"] = float("nan")
+    if settings.count_flops:
+        for mode in settings.modes:
+            flops = count_flops(_step_fn(module, x, loss_fn, mode), module)
+            rate = flops / row[f"{mode}_time_s"] / 1e9
+            row[f"{mode}_flops"] = flops
+            row[f"{mode}_gflops"] = rate
+            row[f"{mode}_flop_fraction"] = rate / gemm
+    return row
+
+
+def measure_fresh(case: Case, settings: Settings, *, timeout: float | None = None) -> dict:
+    """:func:`measure_case` in a fresh Python process; raises ``RuntimeError`` on failure."""
+    request = json.dumps({"case": asdict(case), "settings": asdict(settings)})
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "symattn_cli.bench.measure"],
+            input=request,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{case.label}: no result within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["killed"])[-1]
+        raise RuntimeError(f"{case.label}: exit {done.returncode}: {last}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child() -> None:
+    request = json.loads(sys.stdin.read())
+    settings = request["settings"]
+    settings["modes"] = tuple(settings["modes"])
+    row = measure_case(Case(**request["case"]), Settings(**settings))
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,97 @@
+"""Rich tables of benchmark results: every case, the reference comparison, the fits."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def _num(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _flops(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.0f}"
+
+
+def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
+    from rich.table import Table
+
+    table = Table(title="benchmark cases (median s ± IQR, peak memory growth MB)")
+    table.add_column("case")
+    table.add_column("params", justify="right")
+    for mode in modes:
+        short = "fwd+bwd" if mode == "train" else "fwd"
+        table.add_column(f"{short} s", justify="right")
+        table.add_column(f"{short} MB", justify="right")
+        table.add_column(f"{short} FLOPs", justify="right")
+        table.add_column(f"{short} %GEMM", justify="right")
+    for row in rows:
+        cells = [row["label"], _num(row.get("params"), ",.0f")]
+        if row.get("status") != "ok":
+            cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (4 * len(modes) - 1)
+            table.add_row(*cells)
+            continue
+        for mode in modes:
+            time_s, iqr = row.get(f"{mode}_time_s"), row.get(f"{mode}_time_iqr_s")
+            fraction = row.get(f"{mode}_flop_fraction")
+            cells += [
+                f"{_num(time_s, '.4f')} ± {_num(iqr, '.4f')}",
+                _num(row.get(f"{mode}_mem_mb"), ".1f"),
+                _flops(row.get(f"{mode}_flops")),
+                _num(None if fraction is None else 100 * fraction, ".2f"),
+            ]
+        table.add_row(*cells)
+    return table
+
+
+def reference_table(rows: Sequence[dict[str, Any]]):
+    from rich.table import Table
+
+    table = Table(
+        title="ours vs the reference implementation (rotMNIST net, batch 2, fp32, fwd+bwd)"
+    )
+    for name in ("model", "ours s", "ref s", "time ratio", "ours GB", "ref GB", "memory ratio",
+                 "≥10× both"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "model" else "right")
+    for row in rows:
+        if "time_ratio" not in row:
+            continue
+        table.add_row(
+            row["label"],
+            _num(row["train_time_s"], ".3f"),
+            _num(row["ref_time_s"], ".1f"),
+            f"{row['time_ratio']:.1f}×",
+            _num(row["train_mem_mb"] / 1e3, ".4f"),
+            _num(row["ref_mem_gb"], ".2f"),
+            f"{row['mem_ratio']:.1f}×",
+            "yes" if row["meets_target"] else "[red]no[/red]",
+        )
+    return table
+
+
+def fits_table(fits: Sequence[dict[str, Any]]):
+    from rich.table import Table
+
+    table = Table(title="growth exponents k: quantity ~ x^k (log-log least squares)")
+    for name in ("quantity", "axis", "series", "held fixed", "x range", "k", "r²"):
+        table.add_column(name, justify="right" if name in ("k", "r²") else "left")
+    for fit in fits:
+        table.add_row(
+            fit["quantity"],
+            fit["axis"],
+            fit["series"],
+            fit["fixed"],
+            f"{fit['x_min']:g}–{fit['x_max']:g} ({fit['points']})",
+            f"{fit['exponent']:.2f}",
+            f"{fit['r2']:.3f}",
+        )
+    return table

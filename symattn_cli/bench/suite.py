@@ -1,0 +1,293 @@
+"""Benchmark presets (lists of cases), the reference figures, and growth-exponent fits.
+
+A preset is a small factory: it returns the cases to measure and its default settings
+(repeats, warm-up, threads, isolation). Axes the user sets (``groups``, ``batch_sizes`` ...)
+then filter or replace the preset's values in :func:`select_cases`.
+
+Columns describing a case (one row per case): ``label``, ``kind`` (layer | model), ``name``
+(layer kind gsa | conv | gconv, or model name), ``family`` (gsa | conv | gconv | cnn | gcnn),
+``group``, ``group_order`` N, ``form`` (lifting | sum | single | group | -), ``patch_size``
+P (attention neighbourhood or kernel side; 0 = global attention), ``image_size``, ``batch``,
+``channels``, ``heads``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from symattn_cli.bench.measure import Case
+from symattn_cli.errors import ConfigError
+
+# The GSA-Net issue's figures for the reference implementation: rotMNIST model (5x5, 20
+# channels, 9 heads), fp32, forward + backward, 2-core CPU. group -> (seconds, GB peak RSS).
+REFERENCE_BATCH = 2
+REFERENCE = {"z2": (0.4, 0.16), "z4": (3.4, 0.84), "r8": (14.0, 4.31)}
+TARGET_RATIO = 10.0  # ours must be at least this many times cheaper in time and memory
+
+ROTMNIST_SIDES = (24, 12, 8, 6)  # map sides the rotMNIST GSA-Net's attention layers see
+
+
+@dataclass
+class Preset:
+    name: str
+    doc: str
+    cases: Callable[[], list[Case]]
+    repeats: int = 5
+    warmup: int = 2
+    threads: int = 0  # 0 = PyTorch's default
+    fresh_process: bool = True
+    modes: tuple[str, ...] = ("train", "forward")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def gsa_layer(group: str, form: str, patch: int = 5, side: int = 12, batch: int = 2) -> Case:
+    """A 20-channel, 9-head GSA layer (the rotMNIST width); ``form`` lifting | sum | single."""
+    lifting = form == "lifting"
+    return Case(kind="layer", name="gsa", group=group, lifting=lifting,
+                query_form="sum" if lifting else form, patch_size=patch, image_size=side,
+                batch=batch)  # fmt: skip
+
+
+def gsa_model(group: str, batch: int = REFERENCE_BATCH, form: str = "sum", patch: int = 5) -> Case:
+    """The rotMNIST GSA-Net (``<group>_sa``) on 28x28 digits."""
+    return Case(kind="model", name=f"{group}_sa", group=group, query_form=form,
+                patch_size=patch, image_size=28, batch=batch)  # fmt: skip
+
+
+def model(name: str, batch: int = REFERENCE_BATCH, **overrides: Any) -> Case:
+    return Case(kind="model", name=name, image_size=28, batch=batch, overrides=overrides)
+
+
+def reference_cases() -> list[Case]:
+    return [gsa_model(g) for g in ("z2", "r4", "r8")]
+
+
+def quick_cases() -> list[Case]:
+    return [
+        gsa_layer("z2", "sum", patch=3, side=6, batch=1),
+        gsa_layer("r4", "sum", patch=3, side=6, batch=1),
+        gsa_layer("r4", "single", patch=3, side=6, batch=1),
+        gsa_layer("r4", "sum", patch=5, side=6, batch=1),
+        gsa_layer("r4", "sum", patch=3, side=8, batch=1),
+        gsa_layer("r4", "lifting", patch=3, side=6, batch=1),
+        gsa_layer("r4", "sum", patch=0, side=4, batch=1),
+        Case(kind="layer", name="conv", patch_size=3, image_size=6, batch=1),
+        Case(kind="layer", name="gconv", group="r4", patch_size=3, image_size=6, batch=1),
+        model("cnn", batch=1, channels=[4, 8]),
+    ]
+
+
+def default_cases() -> list[Case]:
+    cases = []
+    for group in ("z2", "r4", "r8", "r12", "r16"):  # time and memory vs group order
+        forms = ("lifting", "sum") if group == "z2" else ("lifting", "sum", "single")
+        cases += [gsa_layer(group, form) for form in forms]
+    for patch in (3, 7, 9, 0):  # vs neighbourhood (0 = global, on the 12x12 map)
+        cases += [gsa_layer("r8", form, patch=patch) for form in ("sum", "single")]
+    for side in (6, 8, 24):  # vs image side (the rotMNIST net's maps: 24, 12, 8, 6)
+        cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
+    cases.append(gsa_layer("r8", "sum", batch=8))  # vs batch
+    for k in (3, 5):  # the convolutions a GSA layer replaces
+        cases.append(Case(kind="layer", name="conv", patch_size=k, image_size=12))
+        cases.append(Case(kind="layer", name="gconv", group="r4", patch_size=k, image_size=12))
+    cases.append(Case(kind="layer", name="gconv", group="r4", lifting=True, patch_size=3,
+                      image_size=12))  # fmt: skip
+    cases += [gsa_model(g) for g in ("z2", "r4", "r8")]  # whole networks, batch 2
+    cases += [gsa_model("r8", form="single"), gsa_model("r4", batch=8)]
+    cases += [model("cnn"), model("gcnn")]
+    return cases
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("reference", "GSA-Net issue figures: z2/r4/r8 rotMNIST nets, batch 2, vs the "
+               "reference implementation", reference_cases, repeats=5, warmup=1, threads=2,
+               modes=("train",)),
+        Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
+               "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
+               default_cases, repeats=5, warmup=1),
+        Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
+               repeats=3, warmup=1, fresh_process=False),
+    )
+}  # fmt: skip
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"preset={name!r} is unknown; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---------------------------------------------------------------- case resolution
+
+
+def canonical_group(name: str) -> str:
+    from symattn_cli.groups import canonical_group_name
+
+    try:
+        return canonical_group_name(name)
+    except ValueError as err:
+        raise ConfigError(f"groups: {err}") from None
+
+
+def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
+    """The case with its model options made explicit, and the columns that describe it."""
+    from symattn_cli.groups import get_group
+
+    info: dict[str, Any] = {}
+    if case.kind == "model":
+        from symattn_cli.models.registry import model_config
+
+        try:
+            config = model_config(case.name, **case.overrides)
+        except Exception as err:  # unknown model name or a bad override
+            raise ConfigError(f"model {case.name!r}: {err}".splitlines()[0]) from None
+        family = config["family"]
+        overrides = dict(case.overrides)
+        if family == "gsa":
+            overrides.update(group=case.group, query_form=case.query_form,
+                             patch_size=case.patch_size or -1)  # fmt: skip
+            group, form, patch = case.group, case.query_form, case.patch_size
+            channels, heads = config["channels"] or 20, config["heads"] or 9
+        else:
+            group, form, patch = config.get("group", "z2"), "-", config.get("kernel_size", 0)
+            channels, heads = max(config.get("channels") or [0]), 0
+        case = replace(case, group=group, overrides=overrides)
+        info = dict(family=family, form=form, patch_size=patch, channels=channels, heads=heads)
+    else:
+        info = dict(family=case.name, form=case.form, patch_size=case.patch_size,
+                    channels=case.channels, heads=case.heads if case.name == "gsa" else 0)  # fmt: skip
+    group = get_group(canonical_group(case.group))
+    info = dict(label=case.label, kind=case.kind, name=case.name, group=group.name,
+                group_order=group.order, image_size=case.image_size, batch=case.batch,
+                **info)  # fmt: skip
+    return case, info
+
+
+def select_cases(
+    cases: Iterable[Case],
+    *,
+    groups: Sequence[str] = (),
+    models: Sequence[str] = (),
+    layers: Sequence[str] = (),
+    batch_sizes: Sequence[int] = (),
+    image_sizes: Sequence[int] = (),
+    patch_sizes: Sequence[int] = (),
+) -> list[Case]:
+    """Filter by ``groups``/``models``/``layers``; set every case's batch, image and patch
+    sizes to each value given (a product); drop duplicates, keep the order."""
+    wanted_groups = {canonical_group(g) for g in groups}
+    out: list[Case] = []
+    for case in cases:
+        if wanted_groups and canonical_group(case.group) not in wanted_groups:
+            continue
+        if case.kind == "model" and models and case.name not in models:
+            continue
+        if case.kind == "layer" and layers and case.name not in layers:
+            continue
+        if (case.kind == "model" and layers and not models) or (
+            case.kind == "layer" and models and not layers
+        ):
+            continue
+        variants = [case]
+        for attr, values in (("batch", batch_sizes), ("image_size", image_sizes),
+                             ("patch_size", patch_sizes)):  # fmt: skip
+            if values:
+                variants = [replace(v, **{attr: int(x)}) for v in variants for x in values]
+        out += variants
+    unique = {c.key(): c for c in reversed(out)}
+    keys = list(dict.fromkeys(c.key() for c in out))
+    return [unique[k] for k in keys]
+
+
+def reference_comparison(info: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
+    """Ratios reference / ours for the cases the GSA-Net issue measured (train mode)."""
+    figures = REFERENCE.get(info["group"])
+    if (
+        figures is None
+        or info["kind"] != "model"
+        or info["family"] != "gsa"
+        or info["batch"] != REFERENCE_BATCH
+        or info["patch_size"] != 5
+        or info["form"] != "sum"
+        or info["image_size"] != 28
+        or "train_time_s" not in row
+    ):
+        return {}
+    ref_time, ref_gb = figures
+    time_ratio = ref_time / row["train_time_s"]
+    mem_ratio = ref_gb / max(row["train_mem_mb"] / 1e3, 1e-9)
+    return {
+        "ref_time_s": ref_time,
+        "ref_mem_gb": ref_gb,
+        "time_ratio": time_ratio,
+        "mem_ratio": mem_ratio,
+        "meets_target": float(time_ratio >= TARGET_RATIO and mem_ratio >= TARGET_RATIO),
+    }
+
+
+# ---------------------------------------------------------------- growth exponents
+
+# axis -> the column that varies; series hold every other describing column fixed.
+AXES = {"N": "group_order", "P": "patch_size", "side": "image_size", "batch": "batch"}
+SERIES_KEYS = ("kind", "family", "form", "group_order", "patch_size", "image_size", "batch",
+               "channels", "heads")  # fmt: skip
+
+
+def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares of ``log y = log a + k log x``: returns ``(k, a, r2)``."""
+    import numpy as np
+
+    x = np.log(np.asarray(xs, dtype=float))
+    y = np.log(np.asarray(ys, dtype=float))
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("a power-law fit needs at least two distinct x values")
+    k, log_a = np.polyfit(x, y, 1)
+    residual = y - (k * x + log_a)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - (residual**2).sum() / total if total > 0 else 1.0
+    return float(k), float(math.exp(log_a)), float(r2)
+
+
+def growth_exponents(
+    rows: Sequence[dict[str, Any]],
+    quantities: Sequence[str] = ("train_time_s", "forward_time_s", "train_mem_mb"),
+    *,
+    min_points: int = 2,
+) -> list[dict[str, Any]]:
+    """Fit ``quantity ~ x^k`` along each axis of :data:`AXES`, per series of rows that differ
+    only in that axis (global attention is left out of the P fits)."""
+    fits = []
+    for axis, column in AXES.items():
+        keys = [k for k in SERIES_KEYS if k != column]
+        series: dict[tuple, list[dict[str, Any]]] = {}
+        for row in rows:
+            if row.get("status") != "ok" or row.get("kind") != "layer":
+                continue
+            if axis == "P" and row["patch_size"] == 0:
+                continue
+            series.setdefault(tuple(row[k] for k in keys), []).append(row)
+        for members in series.values():
+            xs_all = sorted({m[column] for m in members})
+            if len(xs_all) < min_points:
+                continue
+            first = members[0]
+            name = f"{first['family']} {first['form']}"
+            fixed = ", ".join(f"{k}={first[k]}" for k in ("group_order", "patch_size",
+                              "image_size", "batch") if k != column)  # fmt: skip
+            for quantity in quantities:
+                points = [(m[column], m.get(quantity)) for m in members]
+                points = [(x, y) for x, y in points if y is not None and y > 0 and x > 0]
+                if len({x for x, _ in points}) < min_points:
+                    continue
+                k, a, r2 = fit_power_law(*zip(*points, strict=True))
+                fits.append(
+                    dict(quantity=quantity, axis=axis, series=name, fixed=fixed,
+                         points=len(points), x_min=min(x for x, _ in points),
+                         x_max=max(x for x, _ in points), exponent=k, prefactor=a, r2=r2)
+                )  # fmt: skip
+    return fits

@@ -1,0 +1,211 @@
+"""``symattn benchmark``: time, peak memory and FLOPs of layers and models.
+
+``preset=reference`` reproduces the GSA-Net issue's measurement (rotMNIST z2/r4/r8 nets,
+batch 2, fp32, forward + backward) and prints the ratios to the reference implementation;
+``preset=default`` sweeps group order, neighbourhood, image and batch size, both group-layer
+forms and the convolutional baselines; ``preset=quick`` takes seconds (tests).
+
+Writes ``<run dir>/run.h5`` with tables ``/results/cases`` (one row per case), ``/results/fits``
+(growth exponents) and ``/results/reference`` (the cases the reference was measured on), PNG
+plots in the run directory, and the same tables to Weights & Biases. What is measured and how:
+:mod:`symattn_cli.bench.measure`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from symattn_cli.commands.common import environment, hydra_entry, run_dir, to_yaml
+from symattn_cli.errors import ConfigError
+
+RUN_FILE = "run.h5"
+
+
+def _settings(cfg: Any, preset: Any):
+    """Measurement settings: the config's values where given, else the preset's."""
+    from symattn_cli.bench.measure import MODES, Settings
+
+    def pick(value, default):
+        return default if value is None else value
+
+    modes = tuple(cfg.modes) or preset.modes
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"modes={list(cfg.modes)}: {bad} unknown; use any of {list(MODES)}")
+    settings = Settings(
+        repeats=pick(cfg.repeats, preset.repeats),
+        warmup=pick(cfg.warmup, preset.warmup),
+        threads=pick(cfg.threads, preset.threads),
+        device=_device(cfg.device),
+        modes=modes,
+        count_flops=cfg.count_flops,
+        seed=cfg.seed,
+    )
+    if settings.repeats < 1 or settings.warmup < 0 or settings.threads < 0:
+        raise ConfigError(
+            f"repeats={settings.repeats}, warmup={settings.warmup}, threads={settings.threads}:"
+            " need repeats >= 1, warmup >= 0, threads >= 0"
+        )
+    return settings
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "cpu":
+        return name
+    if not name.startswith("cuda"):
+        raise ConfigError(f"device={name!r} is unknown; use cpu or cuda (cuda:<index>)")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA GPU is visible; use device=cpu")
+    return name
+
+
+def run_cases(cases, infos, settings, *, fresh: bool, timeout: float) -> list[dict[str, Any]]:
+    """Measure every case; a failed case becomes a row with its status and error."""
+    from symattn_cli.bench.measure import measure_case, measure_fresh
+    from symattn_cli.bench.suite import reference_comparison
+
+    rows = []
+    for index, (case, info) in enumerate(zip(cases, infos, strict=True), start=1):
+        row: dict[str, Any] = dict(info)
+        try:
+            if fresh:
+                result = measure_fresh(case, settings, timeout=timeout)
+            else:
+                result = measure_case(case, settings)
+            row.update(result, status="ok", error="")
+            row.update(reference_comparison(info, row))
+        except TimeoutError as err:
+            row.update(status="timeout", error=str(err))
+        except (RuntimeError, ValueError, MemoryError) as err:
+            row.update(status="failed", error=str(err).splitlines()[-1] if str(err) else "")
+        rows.append(row)
+        print(f"[{index}/{len(cases)}] {_line(row, settings.modes)}", flush=True)
+    return rows
+
+
+def _line(row: dict[str, Any], modes) -> str:
+    if row["status"] != "ok":
+        return f"{row['label']}: {row['status']}: {row['error']}"
+    parts = [
+        f"{'fwd+bwd' if m == 'train' else 'fwd'} {row[f'{m}_time_s']:.4f} s "
+        f"{row[f'{m}_mem_mb']:.1f} MB"
+        for m in modes
+    ]
+    return f"{row['label']}: " + ", ".join(parts)
+
+
+def benchmark(cfg: Any) -> dict[str, Any]:
+    """Run the benchmark described by ``cfg``; returns the summary."""
+    import torch
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    from symattn_cli.bench import report
+    from symattn_cli.bench.measure import matmul_gflops
+    from symattn_cli.bench.suite import get_preset, growth_exponents, resolve, select_cases
+    from symattn_cli.train.runfile import write_results_file
+    from symattn_cli.train.tracking import start_tracker
+
+    preset = get_preset(cfg.preset)
+    settings = _settings(cfg, preset)
+    fresh = preset.fresh_process if cfg.fresh_process is None else cfg.fresh_process
+    cases = select_cases(
+        preset.cases(),
+        groups=list(cfg.groups),
+        models=list(cfg.models),
+        layers=list(cfg.layers),
+        batch_sizes=list(cfg.batch_sizes),
+        image_sizes=list(cfg.image_sizes),
+        patch_sizes=list(cfg.patch_sizes),
+    )
+    if not cases:
+        raise ConfigError(f"preset={cfg.preset} has no case left after the filters; relax them")
+    resolved = [resolve(case) for case in cases]  # bad names fail here, before any timing
+    cases, infos = [c for c, _ in resolved], [i for _, i in resolved]
+
+    directory = run_dir()
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    gemm = matmul_gflops(device=settings.device)
+    print(
+        f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
+        f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "
+        f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
+        f"; fp32 GEMM {gemm:.1f} GFLOP/s",
+        flush=True,
+    )
+    started = time.perf_counter()
+    rows = run_cases(cases, infos, settings, fresh=fresh, timeout=cfg.case_timeout)
+    elapsed = time.perf_counter() - started
+    fits = growth_exponents(rows)
+    reference = [row for row in rows if "time_ratio" in row]
+
+    summary: dict[str, float] = {
+        "cases": float(len(rows)),
+        "failed": float(sum(row["status"] != "ok" for row in rows)),
+        "gemm_gflops": gemm,
+        "seconds": elapsed,
+    }
+    for row in reference:
+        summary[f"{row['group']}_time_ratio"] = row["time_ratio"]
+        summary[f"{row['group']}_mem_ratio"] = row["mem_ratio"]
+    tables = {"cases": rows}
+    if fits:
+        tables["fits"] = fits
+    if reference:
+        tables["reference"] = reference
+    path = write_results_file(
+        directory / RUN_FILE,
+        command="benchmark",
+        config_yaml=to_yaml(cfg),
+        env=environment(settings.device),
+        tables=tables,
+        summary=summary,
+    )
+    plots = []
+    if cfg.plot:
+        from symattn_cli.bench.plots import plot_all
+
+        plots = plot_all(rows, directory)
+
+    tracker = start_tracker(
+        mode=cfg.logger.mode,
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        tags=list(cfg.logger.tags),
+        wandb_dir=cfg.logger.dir,
+        run_dir=directory,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        name=directory.name,
+    )
+    exit_code = 1
+    try:
+        for name, table in tables.items():
+            tracker.log_table(f"benchmark/{name}", table)
+        tracker.summary(summary)
+        exit_code = 0
+    finally:
+        tracker.finish(exit_code=exit_code)
+
+    console = Console(width=max(Console().width, 160) if not sys.stdout.isatty() else None)
+    console.print(report.cases_table(rows, settings.modes))
+    if fits:
+        console.print(report.fits_table(fits))
+    if reference:
+        console.print(report.reference_table(reference))
+    console.print(f"finished in {elapsed:.1f} s; run file: {path}")
+    for plot in plots:
+        console.print(f"plot: {plot}")
+    return summary
+
+
+def _task(cfg: Any) -> None:
+    benchmark(cfg)
+
+
+main = hydra_entry("benchmark", _task)

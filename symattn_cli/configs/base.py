@@ -53,6 +53,7 @@ class VerifyConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     data_root: str = "data"
     plot: bool = True
+    full_table: bool = False  # one table line per element instead of the worst per layer
     name: str = "verify"
 
 

@@ -83,7 +83,12 @@ class RunFile:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        h5 = h5py.File(path, "w", libver="latest")
+        if path.exists():
+            raise RunFileError(
+                f"{path} already exists; a run file is never overwritten. Choose another "
+                "hydra.run.dir, or continue that run with resume="
+            )
+        h5 = h5py.File(path, "w-", libver="latest")
         h5.attrs["format"] = FORMAT
         h5.attrs["format_version"] = FORMAT_VERSION
         h5.attrs["command"] = command

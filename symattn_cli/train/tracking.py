@@ -43,6 +43,13 @@ class Tracker:
         data = [[row.get(column) for column in columns] for row in rows]
         self._run.log({name: wandb.Table(columns=columns, data=data)})
 
+    def log_image(self, name: str, path: str | Path) -> None:
+        """Attach an image file (a plot) to the run."""
+        if self._run is not None:
+            import wandb
+
+            self._run.log({name: wandb.Image(str(path))})
+
     def summary(self, values: Mapping[str, float]) -> None:
         if self._run is not None:
             for key, value in values.items():
@@ -66,6 +73,7 @@ def start_tracker(
     tags: list[str] | None = None,
     wandb_dir: str | None = None,
     run_id: str | None = None,
+    job_type: str | None = None,
 ) -> Tracker:
     """Start (or resume, with ``run_id``) a wandb run writing under ``run_dir``."""
     if mode not in MODES:
@@ -86,6 +94,7 @@ def start_tracker(
         dir=str(directory),
         config=dict(config),
         id=run_id,
+        job_type=job_type,
         resume="allow" if run_id else None,
         reinit="finish_previous",
         settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),

@@ -1,0 +1,182 @@
+"""``symattn verify-equivariance``: measure, for every group element, how equivariant it is.
+
+With no arguments: every group and GSA layer kind, plain self-attention (GSA-Nets Props.
+4.1-4.3) and knowledge attention (orthogonal and permutation laws), float64, with negative
+controls shown as expected failures. ``checkpoint=<run dir or run.h5>`` checks a trained model.
+Writes a rich table, ``verify.h5`` (table ``checks``), a W&B run and ``errors.png``; exits 1
+when an exact check fails or a negative control does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from symattn_cli.commands.common import environment, hydra_entry, resolve_path, run_dir, to_yaml
+from symattn_cli.verify.records import Check
+
+RESULTS_FILE = "verify.h5"
+
+
+def collect(cfg: Any) -> list[Check]:
+    from symattn_cli.verify.suite import run_suite
+
+    if cfg.checkpoint:
+        from symattn_cli.commands.train import locate_run_file
+        from symattn_cli.verify.checkpoint import checkpoint_checks
+
+        path = locate_run_file(cfg.checkpoint)
+        return checkpoint_checks(path, resolve_path(cfg.data_root), dtype=cfg.dtype, seed=cfg.seed)
+    return run_suite(
+        families=list(cfg.families),
+        groups=list(cfg.groups),
+        layers=list(cfg.layers),
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        offgrid=cfg.offgrid,
+    )
+
+
+def render(rows: Sequence[Check], *, full: bool = False) -> None:
+    """A rich table: one line per (family, symmetry, layer, expectation) with its worst element,
+    or one line per element with ``full``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="equivariance error (max over the batch; rel = max|err| / max|out|)")
+    for column in ("group", "layer", "element", "abs", "rel", "tolerance", "verdict"):
+        table.add_column(
+            column, justify="right" if column in ("abs", "rel", "tolerance") else "left"
+        )
+    styles = {
+        "pass": "green",
+        "fails as expected": "cyan",
+        "measured": "yellow",
+        "FAIL": "bold red",
+    }
+    for row in rows if full else worst_per_layer(rows):
+        tolerance = "—" if row.tolerance != row.tolerance else f"{row.tolerance:.0e}"
+        element = row.element + (f" ({row.note})" if row.note else "")
+        table.add_row(row.symmetry, row.layer, element, f"{row.abs_err:.2e}",
+                      f"{row.rel_err:.2e}", tolerance,
+                      f"[{styles.get(row.verdict, '')}]{row.verdict}")  # fmt: skip
+    Console(width=160).print(table)
+
+
+def worst_per_layer(rows: Sequence[Check]) -> list[Check]:
+    """For each (family, symmetry, layer, expectation): the row with the largest error
+    (the smallest for negative controls), annotated with how many elements it covers."""
+    groups: dict[tuple, list[Check]] = {}
+    for row in rows:
+        groups.setdefault((row.family, row.symmetry, row.layer, row.expect), []).append(row)
+    out = []
+    for members in groups.values():
+        if any(m.failed for m in members):
+            pick = next(m for m in members if m.failed)
+        elif members[0].expect == "violation":
+            pick = min(members, key=lambda m: m.rel_err)
+        else:
+            pick = max(members, key=lambda m: m.rel_err)
+        if len(members) > 1:
+            label = "least" if members[0].expect == "violation" else "worst"
+            pick = dataclasses.replace(pick, element=f"{label} of {len(members)}: {pick.element}")
+        out.append(pick)
+    return out
+
+
+def plot(rows: Sequence[Check], path: Path) -> Path:
+    """Relative error per group element, one panel per layer kind of the GSA family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[str, dict[str, list[Check]]] = {}
+    for row in rows:
+        if row.family in ("gsa", "checkpoint") and "·" not in row.layer:
+            panels.setdefault(row.layer, {}).setdefault(row.symmetry, []).append(row)
+    if not panels:
+        panels = {"all checks": {"": list(rows)}}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.6 * len(panels)), squeeze=False)
+    for ax, (layer, by_group) in zip(axes[:, 0], panels.items(), strict=True):
+        labels, values, colours = [], [], []
+        for group, members in by_group.items():
+            for m in members:
+                labels.append(f"{group} {m.element}".strip())
+                values.append(max(m.rel_err, 1e-18))
+                colours.append("tab:red" if m.failed else
+                               "tab:cyan" if m.expect == "violation" else "tab:green")  # fmt: skip
+        ax.bar(range(len(values)), values, color=colours)
+        ax.set_yscale("log")
+        ax.axhline(1e-10, color="grey", lw=0.8, ls="--")
+        ax.set_title(layer, fontsize=9)
+        ax.set_ylabel("rel. error")
+        ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def verify(cfg: Any) -> list[Check]:
+    from omegaconf import OmegaConf
+
+    from symattn_cli.train.runfile import write_results_file
+    from symattn_cli.train.tracking import start_tracker
+
+    start = time.perf_counter()
+    rows = collect(cfg)
+    elapsed = time.perf_counter() - start
+    directory = run_dir()
+    render(rows, full=cfg.full_table)
+    failures = [r for r in rows if r.failed]
+    summary = {
+        "checks": len(rows),
+        "failures": len(failures),
+        "expected_failures": sum(r.verdict == "fails as expected" for r in rows),
+        "measured_only": sum(r.verdict == "measured" for r in rows),
+        "seconds": elapsed,
+    }
+    path = write_results_file(
+        directory / RESULTS_FILE,
+        command="verify-equivariance",
+        config_yaml=to_yaml(cfg),
+        env=environment("cpu"),
+        tables={"checks": [r.row() for r in rows]},
+        summary=summary,
+    )
+    figure = plot(rows, directory / "errors.png") if cfg.plot else None
+    tracker = start_tracker(
+        mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
+        group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_dir=cfg.logger.dir,
+        run_dir=directory, config=OmegaConf.to_container(cfg, resolve=True),
+        name=f"verify-{directory.name}", job_type="verify-equivariance",
+    )  # fmt: skip
+    try:
+        tracker.log_table("checks", [r.row() for r in rows])
+        if figure is not None:
+            tracker.log_image("errors", figure)
+        tracker.summary(summary)
+    finally:
+        tracker.finish()
+    print(
+        f"{summary['checks']} checks, {summary['failures']} failed, "
+        f"{summary['expected_failures']} negative controls failed as expected, "
+        f"{summary['measured_only']} approximate (measured) in {elapsed:.1f} s\n"
+        f"results: {path}",
+        flush=True,
+    )
+    if failures:
+        for row in failures[:20]:
+            print(f"FAIL {row.family} {row.symmetry} {row.layer} {row.element}: "
+                  f"rel {row.rel_err:.2e} (tolerance {row.tolerance:.0e}, expect {row.expect})",
+                  file=sys.stderr)  # fmt: skip
+        raise SystemExit(1)
+    return rows
+
+
+main = hydra_entry("verify", verify)

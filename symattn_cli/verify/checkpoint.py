@@ -1,0 +1,179 @@
+"""Checks of a trained model, read from its run file (``verify-equivariance checkpoint=``).
+
+Image models: every group self-attention layer at the trained weights (its input captured on
+real digits, each grid-exact element applied to that input), and on the test split of
+``rotmnist_mini`` the share of predictions that stay the same when each group element is
+applied to the digits (100% for grid-exact elements of an equivariant model) and for
+off-grid angles (measured). Knowledge-attention models: the embedding-transfer check.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from symattn_cli.errors import UserError
+from symattn_cli.verify.records import Check
+
+OFFGRID_DEGREES = (45.0, 30.0)
+
+
+def load_trained(path: Path, data_root: Path) -> tuple[nn.Module, Any, dict]:
+    """The model of a run file with its best weights, its data bundle and its config."""
+    from omegaconf import OmegaConf
+
+    from symattn_cli.data.registry import build_data
+    from symattn_cli.models.registry import build_model
+    from symattn_cli.train.runfile import read_config_yaml, read_weights
+
+    config = OmegaConf.to_container(OmegaConf.create(read_config_yaml(path)), resolve=True)
+    if "model" not in config or "data" not in config:
+        raise UserError(f"{path} holds no training config; pass the run.h5 of `symattn train`")
+    data = build_data(config["data"], data_root)
+    model = build_model(config["model"], data.spec)
+    weights = {k: torch.from_numpy(v) for k, v in read_weights(path).items()}
+    model.load_state_dict(weights)
+    return model.eval(), data, config
+
+
+def _batches(dataset: Any, collate: Any, limit: int, batch_size: int = 100):
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
+    seen = 0
+    for batch in loader:
+        yield batch
+        seen += batch[0].shape[0]
+        if seen >= limit:
+            return
+
+
+def image_checks(model: nn.Module, images: torch.Tensor, *, dtype: str) -> list[Check]:
+    """Layer errors at the trained weights and prediction agreement under the group."""
+    from symattn_cli.nn.gsa import GroupSelfAttention
+    from symattn_cli.verify.gsa import rotate_image
+
+    group = getattr(model, "group", None)
+    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    model = model.to(torch_dtype).eval()
+    images = images.to(torch_dtype)
+    rows: list[Check] = []
+    name = group.name if group is not None else "none"
+    with torch.no_grad():
+        captured: dict[str, torch.Tensor] = {}
+        hooks = [
+            module.register_forward_hook(
+                lambda m, args, out, key=key: captured.setdefault(key, args[0][:4])
+            )
+            for key, module in model.named_modules()
+            if isinstance(module, GroupSelfAttention)
+        ]
+        logits = model(images)
+        for hook in hooks:
+            hook.remove()
+        layers = dict(model.named_modules())
+        elements = group.grid_exact_elements() if group is not None else []
+        for key, inputs in captured.items():
+            layer = layers[key]
+            reference = layer(inputs)
+            for e in elements:
+                moved_in = (group.act_on_image(e, inputs) if layer.lifting
+                            else group.act_on_group_function(e, inputs))  # fmt: skip
+                err = layer(moved_in) - group.act_on_group_function(e, reference)
+                rows.append(_row(name, f"trained {key}", group.describe(e), err, reference,
+                                 dtype))  # fmt: skip
+        predictions = logits.argmax(-1)
+        for e in elements:
+            moved = model(group.act_on_image(e, images))
+            rows.append(_row(name, "trained model logits", group.describe(e),
+                             moved - logits, logits, dtype))  # fmt: skip
+            same = float((moved.argmax(-1) == predictions).double().mean())
+            rows.append(_agreement(name, group.describe(e), same, "exact", len(images)))
+        for degrees in OFFGRID_DEGREES:
+            moved = model(rotate_image(images, math.radians(degrees)))
+            same = float((moved.argmax(-1) == predictions).double().mean())
+            rows.append(_agreement(name, f"rot{degrees:g} (interpolated)", same,
+                                   "approximate", len(images)))  # fmt: skip
+        if group is None:  # a model without rotation symmetry: 90° turns are only measured
+            for quarter in (1, 2, 3):
+                moved = model(torch.rot90(images, quarter, dims=(-2, -1)))
+                same = float((moved.argmax(-1) == predictions).double().mean())
+                rows.append(_agreement(name, f"rot{90 * quarter}", same, "approximate",
+                                       len(images)))  # fmt: skip
+    return rows
+
+
+def _row(group: str, layer: str, element: str, err, reference, dtype: str) -> Check:
+    max_abs = float(err.abs().max())
+    return Check("checkpoint", group, layer, element, max_abs,
+                 max_abs / max(float(reference.abs().max()), 1e-300), "exact", dtype)  # fmt: skip
+
+
+def _agreement(group: str, element: str, same: float, expect: str, count: int) -> Check:
+    """Prediction agreement as a row: the error is the share of changed predictions."""
+    return Check("checkpoint", group, "same prediction on test digits", element, 1.0 - same,
+                 1.0 - same, expect, "float64", bound=0.0 if expect == "exact" else None,
+                 note=f"{same:.2%} of {count} unchanged")  # fmt: skip
+
+
+def knowledge_checks(model: nn.Module, data: Any, *, seed: int) -> list[Check]:
+    from symattn_cli.verify.knowledge import embedding_transfer
+
+    result = embedding_transfer(model, _batches(data.test, data.collate, 1000), seed=seed)
+    note = (f"exact acc {result['exact_acc']:.2%} → rotated {result['rotated_exact_acc']:.2%}; "
+            f"embedding alone {result['embedding_only_exact_acc']:.2%}")  # fmt: skip
+    agree = 1.0 - result["agreement"]
+    return [
+        Check(
+            "checkpoint",
+            "O(d)",
+            "embedding + knowledge rotated",
+            "4 Haar Q",
+            result["logit_error"],
+            result["logit_error"],
+            "exact",
+            "float64",
+            note=note,
+        ),  # fmt: skip
+        Check(
+            "checkpoint",
+            "O(d)",
+            "same prediction on test split",
+            "4 Haar Q",
+            agree,
+            agree,
+            "exact",
+            "float64",
+            bound=0.0,
+            note=f"{result['agreement']:.2%} unchanged",
+        ),  # fmt: skip
+        Check(
+            "checkpoint",
+            "O(d)",
+            "embedding rotated alone: token acc drop",
+            "4 Haar Q",
+            result["token_acc"] - result["embedding_only_token_acc"],
+            result["token_acc"] - result["embedding_only_token_acc"],
+            "violation",
+            "float64",
+            note=f"token acc {result['embedding_only_token_acc']:.2%}, chance "
+            f"{result['chance_token_acc']:.2%}",
+        ),  # fmt: skip
+    ]
+
+
+def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int,
+                      limit: int = 500) -> list[Check]:  # fmt: skip
+    model, data, config = load_trained(path, data_root)
+    if data.spec.task == "tokens":
+        return knowledge_checks(model, data, seed=seed)
+    from symattn_cli.data.registry import build_data
+
+    # Real rotated digits: the test split of rotmnist_mini (a rotMNIST-style model's data).
+    digits = build_data({"name": "rotmnist_mini", "kind": "image"}, data_root).test
+    if data.spec.in_channels != 1:
+        digits = data.test
+    images = torch.stack([digits[i][0] for i in range(min(limit, len(digits)))])
+    return image_checks(model, images, dtype=dtype)

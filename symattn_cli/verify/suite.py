@@ -29,8 +29,12 @@ LAYERS = {
     "model": ("network",),
 }
 EXPECT = {"exact": "exact", "approximate": "approximate", "fail": "violation"}
-LAYER_NAMES = {"network": "model", "group_sum": "group (Eq. 16, sum)",
-               "group_single": "group (single query)", "group_shifted": "group (reference index)"}  # fmt: skip
+LAYER_NAMES = {
+    "network": "model",
+    "group_sum": "group (Eq. 16, sum)",
+    "group_single": "group (single query)",
+    "group_shifted": "group (reference index)",
+}
 
 
 def _gsa_row(record: dict, dtype: str, family: str = "gsa") -> Check:

@@ -45,6 +45,7 @@ def measure_step(
     query_form: str = "sum",
     checkpointing: bool = True,
     naive: bool = False,
+    chunk_elements: int = 1 << 22,
     repeats: int = 5,
     warmup: int = 1,
     threads: int = 2,
@@ -63,7 +64,7 @@ def measure_step(
                     arch="rotmnist")  # fmt: skip
     model = build(
         {"group": group, "patch_size": patch_size, "query_form": query_form,
-         "checkpointing": checkpointing,
+         "checkpointing": checkpointing, "chunk_elements": chunk_elements,
          # naive: the reference's algorithm (full N^3 P^2 logits, (m - g + v) index)
          "group_index": "shifted" if naive else "relative"},
         spec,
@@ -86,6 +87,7 @@ def measure_step(
         "query_form": query_form,
         "checkpointing": checkpointing,
         "naive": naive,
+        "chunk_elements": chunk_elements,
         "threads": threads,
         "time_s": statistics.median(times),
         "times_s": times,
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--query-form", default="sum", choices=["sum", "single"])
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--naive", action="store_true", help="reference algorithm (N^3 logits)")
+    parser.add_argument("--chunk-elements", type=int, default=1 << 22)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     rows = compare(
         groups=args.group, batch=args.batch, query_form=args.query_form,
-        checkpointing=not args.no_checkpointing, repeats=args.repeats, warmup=args.warmup,
+        checkpointing=not args.no_checkpointing, naive=args.naive,
+        chunk_elements=args.chunk_elements, repeats=args.repeats, warmup=args.warmup,
         threads=args.threads,
     )  # fmt: skip
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))

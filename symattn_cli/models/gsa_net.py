@@ -125,6 +125,7 @@ class GSANet(nn.Module):
         pool_after_last_block: bool = False,
         input_pool: int = 1,
         checkpointing: bool = True,
+        chunk_elements: int = 1 << 24,
         group_index: str = "relative",
     ) -> None:
         super().__init__()
@@ -143,7 +144,8 @@ class GSANet(nn.Module):
                 group=group, in_channels=c_in, out_channels=c_out, heads=heads,
                 head_dim=max(c_out // 2, 1), patch_size=patch_size, lifting=lifting,
                 query_form=query_form, attention_dropout=attention_dropout,
-                checkpointing=checkpointing, group_index=group_index,
+                checkpointing=checkpointing, chunk_elements=chunk_elements,
+                group_index=group_index,
             )  # fmt: skip
 
         self.input_pool = nn.AvgPool2d(input_pool) if input_pool > 1 else nn.Identity()
@@ -220,6 +222,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         value_dropout=options.get("value_dropout", 0.1),
         input_pool=options.get("input_pool", 1),
         checkpointing=options.get("checkpointing", True),
+        chunk_elements=options.get("chunk_elements", 1 << 24),
         group_index=options.get("group_index", "relative"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )

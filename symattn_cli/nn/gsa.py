@@ -73,7 +73,7 @@ class GroupSelfAttention(nn.Module):
         max_offset: float | None = None,
         group_index: str = "relative",
         checkpointing: bool = True,
-        chunk_elements: int = 1 << 22,
+        chunk_elements: int = 1 << 24,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
@@ -196,33 +196,34 @@ class GroupSelfAttention(nn.Module):
 
     # ------------------------------------------------------------------ local (P x P)
     def _attend_local(self, x: torch.Tensor, crop: int) -> torch.Tensor:
-        """Local attention on the grid, spatial-major so neighbours are slices, not copies.
+        """Local attention on the grid, with neighbours gathered by one index_select per band.
 
-        Keys and values are zero-padded by P//2 and laid out ``(Hp*Wp, Z, M, d)``; queries sit
-        on the padded-width grid ``(y, x)``, x < Wp, so the neighbour at offset (dy, dx) of
-        flat query index l is flat key index l + dy*Wp + dx: a contiguous slice per offset.
-        Columns x >= W are computed and dropped.
+        Keys and values are zero-padded by P//2 and flattened to ``(Z, Hp*Wp, M, d)``; queries
+        sit on the padded-width grid ``(y, x)``, x < Wp, so the neighbour at offset (dy, dx) of
+        flat query index l is flat key index l + dy*Wp + dx. Columns x >= W are computed and
+        dropped. Bands of query rows bound the memory; the whole map is never unfolded.
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
         q, k, v = self._qkv(x)  # (Z, d, M, H, W)
         z, d = q.shape[:2]
         wp = width + 2 * r
-        # pad r on every side plus one spare row so every offset slice stays in range
-        k = F.pad(k, (r, r, r, r + 1)).permute(3, 4, 0, 2, 1)  # (Hp+1, Wp, Z, M, d)
-        v = F.pad(v, (r, r, r, r + 1)).permute(3, 4, 0, 2, 1)  # (Hp+1, Wp, Z, M, d)
-        k, v = k.reshape(-1, z, m, d), v.reshape(-1, z, m, d)  # (L_kv, Z, M, d)
-        q = F.pad(q, (0, 2 * r)).permute(3, 4, 0, 2, 1).reshape(-1, z, m, d)  # (H*Wp, Z, G, d)
+        # pad r on every side plus one spare row so every neighbour index stays in range
+        k = F.pad(k, (r, r, r, r + 1)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z,Lkv,M,d)
+        v = F.pad(v, (r, r, r, r + 1)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z,Lkv,M,d)
+        q = F.pad(q, (0, 2 * r)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z, H*Wp, G, d)
 
         offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
-        # valid[y, x, dy, dx]: the neighbour lies inside the image (garbage columns: all True)
         ys = torch.arange(height, device=x.device)[:, None, None, None]
         xs = torch.arange(wp, device=x.device)[None, :, None, None]
-        dys = torch.arange(p, device=x.device)[None, None, :, None] - r
-        dxs = torch.arange(p, device=x.device)[None, None, None, :] - r
-        inside = (ys + dys >= 0) & (ys + dys < height) & (xs + dxs >= 0) & (xs + dxs < width)
+        dys = torch.arange(p, device=x.device)[None, None, :, None]
+        dxs = torch.arange(p, device=x.device)[None, None, None, :]
+        # valid[y, x, dy, dx]: the neighbour lies inside the image (garbage columns: all True)
+        inside = (ys + dys - r >= 0) & (ys + dys - r < height)
+        inside = inside & (xs + dxs - r >= 0) & (xs + dxs - r < width)
         valid = (inside | (xs >= width)).reshape(height * wp, p * p)  # (H*Wp, J)
+        neighbour = (ys * wp + xs + dys * wp + dxs).reshape(height * wp, p * p)  # (H*Wp, J)
 
         n = self.group.order
         per_row = wp * z * p * p * (m * m + n * m + 2 * d * m)
@@ -230,44 +231,34 @@ class GroupSelfAttention(nn.Module):
         row_lo, row_hi = crop, height - crop
         outs = []
         for y0 in range(row_lo, row_hi, rows):
-            y1 = min(y0 + rows, row_hi)
-            lo, hi = y0 * wp, y1 * wp
-            span = hi - lo + (p - 1) * wp + (p - 1)  # keys reached from queries lo..hi
-            outs.append(
-                self._run(
-                    self._local_band,
-                    q[lo:hi], k[lo : lo + span], v[lo : lo + span], rho_xy, rho_h, valid[lo:hi],
-                    wp,
-                )
-            )  # fmt: skip
-        out = torch.cat(outs, dim=0)  # (rows*Wp, Z, V, d)
-        out = out.reshape(row_hi - row_lo, wp, z, n, d)[:, crop : width - crop]  # (H', W', Z, V, d)
-        out = out.permute(2, 4, 3, 0, 1)  # (Z, d, V, H', W')
+            lo, hi = y0 * wp, min(y0 + rows, row_hi) * wp
+            band = (q[:, lo:hi], k, v, rho_xy, rho_h, valid[lo:hi], neighbour[lo:hi])
+            outs.append(self._run(self._local_band, *band))  # (Z, L, V, d)
+        out = torch.cat(outs, dim=1)  # (Z, rows*Wp, V, d)
+        out = out.reshape(z, row_hi - row_lo, wp, n, d)[:, :, crop : width - crop]
+        out = out.permute(0, 4, 3, 1, 2)  # (Z, d, V, H', W')
         return self._output(out, b, (row_hi - row_lo, width - 2 * crop))
 
-    def _local_band(self, q, k, v, rho_xy, rho_h, valid, wp: int) -> torch.Tensor:
-        """q ``(L, Z, G, d)``, k, v ``(L + span, Z, M, d)`` -> ``(L, Z, V, d)``; ``wp`` is the
-        padded row length, so offset (dy, dx) is the key slice starting at dy * wp + dx."""
-        n_q, z, g_size, d = q.shape
-        m = k.shape[2]
-        p = self.patch_size
-        wp_offsets = [dy * wp + dx for dy in range(p) for dx in range(p)]
-        q_flat = q.reshape(n_q * z, g_size, d)  # (LZ, G, d)
-        k_nb = [k[o : o + n_q].reshape(n_q * z, m, d) for o in wp_offsets]  # J x (LZ, M, d)
-        v_nb = [v[o : o + n_q].reshape(n_q * z, m, d) for o in wp_offsets]  # J x (LZ, M, d)
-        content = torch.stack([kj @ q_flat.transpose(1, 2) for kj in k_nb], dim=1)  # (LZ,J,M,G)
-        content = content.view(n_q, z, p * p, m, g_size)  # (L, Z, J, M, G)
-        mask = valid[:, None, :, None, None]  # (L, 1, J, 1, 1)
+    def _local_band(self, q, k, v, rho_xy, rho_h, valid, neighbour) -> torch.Tensor:
+        """q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, ``neighbour`` ``(L, J)`` flat key
+        indices -> ``(Z, L, V, d)``."""
+        z, n_q, g_size, d = q.shape
+        m, j = k.shape[2], neighbour.shape[1]
+        idx = neighbour.reshape(-1)
+        k_nb = k.index_select(1, idx).view(z * n_q, j * m, d)  # (ZL, JM, d)
+        v_nb = v.index_select(1, idx).view(z * n_q, j * m, d)  # (ZL, JM, d)
+        content = k_nb @ q.reshape(z * n_q, g_size, d).transpose(1, 2)  # (ZL, JM, G)
+        content = content.view(z, n_q, j, m, g_size)  # (Z, L, J, M, G)
+        mask = valid[None, :, :, None, None]  # (1, L, J, 1, 1)
 
-        def weigh(a: torch.Tensor) -> torch.Tensor:  # (L, Z, J, M, G) -> (L, Z, G, J, d)
-            a = a.reshape(n_q * z, p * p, m, g_size)  # (LZ, J, M, G)
-            parts = [a[:, j].transpose(1, 2) @ v_nb[j] for j in range(p * p)]  # J x (LZ, G, d)
-            return torch.stack(parts, dim=2).view(n_q, z, g_size, p * p, d)
+        def weigh(a: torch.Tensor) -> torch.Tensor:  # (Z, L, J, M, G) -> (Z, L, G, J, d)
+            a = a.reshape(z * n_q * j, m, g_size).transpose(1, 2)  # (ZLJ, G, M)
+            out = a @ v_nb.view(z * n_q * j, m, d)  # (ZLJ, G, d)
+            return out.view(z, n_q, j, g_size, d).transpose(2, 3)
 
-        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (L, Z, J, M, G) -> (L, Z, G, d)
-            a = a.reshape(n_q * z, p * p, m, g_size)  # (LZ, J, M, G)
-            out = sum(a[:, j].transpose(1, 2) @ v_nb[j] for j in range(p * p))  # (LZ, G, d)
-            return out.view(n_q, z, g_size, d)
+        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (Z, L, J, M, G) -> (Z, L, G, d)
+            a = a.reshape(z * n_q, j * m, g_size).transpose(1, 2)  # (ZL, G, JM)
+            return (a @ v_nb).view(z, n_q, g_size, d)
 
         return self._mix(q, content, mask, rho_xy, rho_h, weigh, weigh_all, v_nb)
 
@@ -310,10 +301,11 @@ class GroupSelfAttention(nn.Module):
     def _mix(self, q, content, mask, rho_xy, rho_h, weigh, weigh_all, v) -> torch.Tensor:
         """The attention itself, shared by local and global neighbourhoods.
 
-        q ``(L, Z, G, d)``, content ``(L, Z, J, M, G)``, mask ``(L, 1, J, 1, 1)`` or None,
-        rho_xy ``(V, J, E)`` (local) or ``(V, L, J, E)`` (global), rho_h ``(G, M, E)``;
-        ``weigh(a)`` = sum_m a v ``(L, Z, G, J, d)``, ``weigh_all(a)`` = sum_jm a v
-        ``(L, Z, G, d)``. Returns ``(L, Z, V, d)``.
+        Two leading batch axes (A, Z) = (Z, L) for local bands, (I, Z) for global chunks:
+        q ``(A, Z, G, d)``, content ``(A, Z, J, M, G)``, mask broadcastable to it or None,
+        rho_xy ``(V, J, E)`` (local) or ``(V, I, J, E)`` (global), rho_h ``(G, M, E)``;
+        ``weigh(a)`` = sum_m a v ``(A, Z, G, J, d)``, ``weigh_all(a)`` = sum_jm a v
+        ``(A, Z, G, d)``. Returns ``(A, Z, V, d)``.
         """
         n_q, z, g_size, d = q.shape
         j = content.shape[2]

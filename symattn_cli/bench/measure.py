@@ -19,9 +19,12 @@ mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
   process just before the case.
 
 Modes: ``forward`` is inference (``eval()``, ``torch.no_grad()``); ``train`` is a training step
-(``train()``, forward + backward of a scalar loss, gradients dropped after each step). ``train``
-runs first, so one-off library initialisation (thread pools, kernels) is charged to it, as in
-the reference measurement (peak RSS growth of a process from before its first step).
+(``train()``, forward + backward of a scalar loss, gradients dropped after each step).
+
+One-off runtime initialisation is not charged to a case: before the first baseline a tiny
+primer step (a convolution, a checkpointed backward) triggers the lazy imports and thread pools
+every process pays once; the first non-reentrant ``torch.utils.checkpoint`` call alone makes
+the RSS grow by ~150 MB of Python modules. That growth is reported as ``runtime_init_mb``.
 
 ``python -m symattn_cli.bench.measure`` reads ``{"case": {...}, "settings": {...}}`` as JSON on
 stdin and prints the result as one JSON line: :func:`measure_fresh` uses it so that every case
@@ -72,7 +75,7 @@ class Case:
     def form(self) -> str:
         """``lifting``, ``sum`` or ``single`` for group layers; ``-`` otherwise."""
         if self.kind == "model":
-            return self.overrides.get("query_form", "sum") if self.name.endswith("_sa") else "-"
+            return self.query_form if self.name.endswith("_sa") else "-"
         if self.lifting:
             return "lifting"
         return self.query_form if self.name == "gsa" else "group"
@@ -80,10 +83,12 @@ class Case:
     @property
     def label(self) -> str:
         size = f"{self.image_size}px b{self.batch}"
+        patch = "global" if self.patch_size == 0 else f"P{self.patch_size}"
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
+            if self.name.endswith("_sa"):  # GSA-Nets: their form and neighbourhood matter
+                extra = f" {self.query_form} {patch}{extra}"
             return f"{self.name}{extra} {size}"
-        patch = "global" if self.patch_size == 0 else f"P{self.patch_size}"
         return f"{self.name} {self.group} {self.form} {patch} {size}"
 
     def key(self) -> str:
@@ -304,6 +309,21 @@ def matmul_gflops(*, size: int = 1024, repeats: int = 5, device: Any = None) -> 
 # ---------------------------------------------------------------- one case
 
 
+def prime_runtime(device: Any) -> float:
+    """Pay the once-per-process costs (lazy imports, thread pools); returns the RSS growth."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    before = _status_kb("VmRSS") * 1024
+    x = torch.randn(1, 2, 8, 8, device=device, requires_grad=True)
+    conv = torch.nn.Conv2d(2, 2, 3, padding=1).to(device)
+    out = checkpoint(lambda t: conv(t).softmax(-1) @ t.transpose(-1, -2), x, use_reentrant=False)
+    out.square().mean().backward()
+    with torch.no_grad():
+        conv(x)
+    return max(_status_kb("VmRSS") * 1024 - before, 0) / MB
+
+
 def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
     """Measure ``case`` in this process; returns one result row (see the module docstring)."""
     import torch
@@ -312,6 +332,7 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
+    init_mb = prime_runtime(device)
     gemm = matmul_gflops(device=device)
     module, x, loss_fn = build_case(case, device)
     memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()
@@ -319,6 +340,7 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
     row: dict[str, Any] = {
         "params": parameter_count(module),
         "gemm_gflops": gemm,
+        "runtime_init_mb": init_mb,
         "threads": torch.get_num_threads(),
         "device": str(device),
     }

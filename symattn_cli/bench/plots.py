@@ -1,9 +1,9 @@
 """Benchmark plots: time and peak memory against group order N and neighbourhood side P.
 
-Each figure has two panels (time, memory), log-log, one line per series of layer rows that
-differ only in the plotted axis (see :func:`symattn_cli.bench.suite.growth_exponents`);
-training steps (forward + backward) solid, inference (forward) dashed. Written as PNG with the
-Agg backend, so no display is needed.
+Each figure has two panels (time, memory), log-log, one line per series of rows (layers or
+whole networks) that differ only in the plotted axis (as in
+:func:`symattn_cli.bench.suite.growth_exponents`); training steps (forward + backward) solid,
+inference (forward) dashed. Written as PNG with the Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _series(rows: Sequence[dict[str, Any]], column: str) -> dict[str, list[dict[
     keys = [k for k in SERIES_KEYS if k != column]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        if row.get("status") == "ok" and row.get("kind") == "layer":
+        if row.get("status") == "ok":
             groups.setdefault(tuple(row[k] for k in keys), []).append(row)
     out = {}
     for members in groups.values():
@@ -36,7 +36,7 @@ def _series(rows: Sequence[dict[str, Any]], column: str) -> dict[str, list[dict[
                  f"P={first['patch_size'] or 'global'}", "image_size":
                  f"{first['image_size']}px", "batch": f"b{first['batch']}"}  # fmt: skip
         fixed.pop(column)
-        label = f"{first['family']} {first['form']} ({', '.join(fixed.values())})"
+        label = f"{first['kind']} {first['family']} {first['form']} ({', '.join(fixed.values())})"
         out[label] = members
     return out
 
@@ -72,9 +72,13 @@ def plot_axis(rows: Sequence[dict[str, Any]], column: str, path: Path) -> Path |
             if all(m is not None for m in mems):
                 ax_mem.plot(xs, [max(m, 1e-3) for m in mems], style, marker="o", color=color)
     title, _ = AXIS_TITLES[column]
+    ticks = sorted({_x(r, column, global_at) for members in series.values() for r in members})
+    names = ["global" if column == "patch_size" and t == global_at else f"{t:g}" for t in ticks]
     for ax, ylabel in ((ax_time, "median step time (s)"), (ax_mem, "peak memory growth (MB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(ticks, names)
+        ax.minorticks_off()
         ax.set_xlabel(title)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)

@@ -105,13 +105,13 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset("reference", "GSA-Net issue figures: z2/r4/r8 rotMNIST nets, batch 2, vs the "
-               "reference implementation", reference_cases, repeats=5, warmup=1, threads=2,
+               "reference implementation", reference_cases, repeats=3, warmup=1, threads=2,
                modes=("train",)),
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=5, warmup=1),
         Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
-               repeats=3, warmup=1, fresh_process=False),
+               repeats=3, warmup=1, threads=1, fresh_process=False),
     )
 }  # fmt: skip
 
@@ -138,7 +138,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     """The case with its model options made explicit, and the columns that describe it."""
     from symattn_cli.groups import get_group
 
-    info: dict[str, Any] = {}
+    label = case.label
     if case.kind == "model":
         from symattn_cli.models.registry import model_config
 
@@ -159,10 +159,11 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         case = replace(case, group=group, overrides=overrides)
         info = dict(family=family, form=form, patch_size=patch, channels=channels, heads=heads)
     else:
+        heads = case.heads if case.name == "gsa" else 0
         info = dict(family=case.name, form=case.form, patch_size=case.patch_size,
-                    channels=case.channels, heads=case.heads if case.name == "gsa" else 0)  # fmt: skip
+                    channels=case.channels, heads=heads)  # fmt: skip
     group = get_group(canonical_group(case.group))
-    info = dict(label=case.label, kind=case.kind, name=case.name, group=group.name,
+    info = dict(label=label, kind=case.kind, name=case.name, group=group.name,
                 group_order=group.order, image_size=case.image_size, batch=case.batch,
                 **info)  # fmt: skip
     return case, info
@@ -259,14 +260,14 @@ def growth_exponents(
     *,
     min_points: int = 2,
 ) -> list[dict[str, Any]]:
-    """Fit ``quantity ~ x^k`` along each axis of :data:`AXES`, per series of rows that differ
-    only in that axis (global attention is left out of the P fits)."""
+    """Fit ``quantity ~ x^k`` along each axis of :data:`AXES`, per series of rows (layers or
+    models) that differ only in that axis (global attention is left out of the P fits)."""
     fits = []
     for axis, column in AXES.items():
         keys = [k for k in SERIES_KEYS if k != column]
         series: dict[tuple, list[dict[str, Any]]] = {}
         for row in rows:
-            if row.get("status") != "ok" or row.get("kind") != "layer":
+            if row.get("status") != "ok":
                 continue
             if axis == "P" and row["patch_size"] == 0:
                 continue
@@ -276,7 +277,7 @@ def growth_exponents(
             if len(xs_all) < min_points:
                 continue
             first = members[0]
-            name = f"{first['family']} {first['form']}"
+            name = f"{first['kind']} {first['family']} {first['form']}"
             fixed = ", ".join(f"{k}={first[k]}" for k in ("group_order", "patch_size",
                               "image_size", "batch") if k != column)  # fmt: skip
             for quantity in quantities:

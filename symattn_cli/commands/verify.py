@@ -30,7 +30,13 @@ def collect(cfg: Any) -> list[Check]:
         from symattn_cli.verify.checkpoint import checkpoint_checks
 
         path = locate_run_file(cfg.checkpoint)
-        return checkpoint_checks(path, resolve_path(cfg.data_root), dtype=cfg.dtype, seed=cfg.seed)
+        return checkpoint_checks(
+            path,
+            resolve_path(cfg.data_root),
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            limit=cfg.checkpoint_images,
+        )
     return run_suite(
         families=list(cfg.families),
         groups=list(cfg.groups),

@@ -48,6 +48,7 @@ class VerifyConfig:
     dtype: str = "float64"
     offgrid: bool = True
     checkpoint: str | None = None
+    checkpoint_images: int = 500  # test digits the checkpoint checks rotate
     seed: int = 0
     image_size: int = 0  # 0 = the built-in default sizes
     logger: LoggerConfig = field(default_factory=LoggerConfig)

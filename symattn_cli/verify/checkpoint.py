@@ -63,10 +63,15 @@ def image_checks(model: nn.Module, images: torch.Tensor, *, dtype: str) -> list[
     name = group.name if group is not None else "none"
     with torch.no_grad():
         captured: dict[str, torch.Tensor] = {}
+
+        def capture(key: str):
+            def hook(module, args, output) -> None:  # returns None: the output is kept
+                captured.setdefault(key, args[0][:4])
+
+            return hook
+
         hooks = [
-            module.register_forward_hook(
-                lambda m, args, out, key=key: captured.setdefault(key, args[0][:4])
-            )
+            module.register_forward_hook(capture(key))
             for key, module in model.named_modules()
             if isinstance(module, GroupSelfAttention)
         ]

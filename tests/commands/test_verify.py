@@ -1,0 +1,97 @@
+"""``symattn verify-equivariance``: reduced runs, HDF5 contents, exit status, checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from symattn_cli.train.runfile import read_summary, read_table
+from tests.helpers import TINY_TRAIN, run_symattn, symattn_env
+
+
+def test_reduced_run_writes_table_and_plot(workdir):
+    out = workdir / "v"
+    result = run_symattn(
+        "verify-equivariance", "groups=[r4,z2m]", "families=[gsa,attention]",
+        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "0 failed" in result.stdout and "negative controls failed as expected" in result.stdout
+    table = read_table(out / "verify.h5", "checks")
+    exact = table["expect"] == "exact"
+    assert exact.sum() > 20
+    assert np.all(table["rel_err"][exact] <= 1e-10)
+    assert set(table["verdict"][exact]) == {"pass"}
+    controls = table["expect"] == "violation"
+    assert controls.sum() >= 2 and np.all(table["rel_err"][controls] > 1e-3)
+    # every element of R4 appears for the group layer
+    group_rows = table["layer"] == "group (Eq. 16, sum)"
+    r4 = table["symmetry"] == "z4"
+    assert {"rot0", "rot90", "rot180", "rot270"} <= set(table["element"][group_rows & r4])
+    assert read_summary(out / "verify.h5")["failures"] == 0
+    assert (out / "errors.png").stat().st_size > 0
+
+
+def test_float32_floor_is_visible(workdir):
+    out = workdir / "v32"
+    result = run_symattn(
+        "verify-equivariance", "groups=[z4]", "layers=[lifting]", "families=[gsa]",
+        "dtype=float32", "offgrid=false", "plot=false", "logger.mode=disabled",
+        f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    table = read_table(out / "verify.h5", "checks")
+    grid = table["layer"] == "lifting"
+    assert np.all(table["rel_err"][grid] < 1e-4)
+    assert np.any(table["rel_err"][grid] > 1e-12)  # float32 round-off, not float64's
+
+
+FAILING = """
+import sys
+import symattn_cli.verify.suite as suite
+from symattn_cli.verify.records import Check
+suite.run_suite = lambda **kw: [Check("gsa", "r4", "lifting", "rot90", 1e-3, 1e-3)]
+from symattn_cli.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_failing_exact_check_exits_non_zero(workdir):
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING, "verify-equivariance", "plot=false",
+         "logger.mode=disabled", f"hydra.run.dir={workdir / 'f'}"],
+        cwd=workdir, env=symattn_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "FAIL gsa r4 lifting rot90" in result.stderr
+    assert (workdir / "f" / "verify.h5").exists()  # the evidence is still written
+
+
+def test_unknown_layer_is_a_clear_error(workdir):
+    result = run_symattn("verify-equivariance", "layers=[attn]", "logger.mode=disabled",
+                         cwd=workdir)  # fmt: skip
+    assert result.returncode == 2 and "layers: 'attn' is unknown" in result.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_trained_gsa_model(workdir):
+    run = workdir / "gsa"
+    args = [a for a in TINY_TRAIN if not a.startswith("model")]
+    trained = run_symattn("train", *args, "model=gsa_mini", "model.channels=8", "model.heads=2",
+                          "trainer.epochs=1", "trainer.max_steps_per_epoch=4",
+                          f"hydra.run.dir={run}", cwd=workdir)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    out = workdir / "check"
+    result = run_symattn("verify-equivariance", f"checkpoint={run}", "checkpoint_images=64",
+                         "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir)  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    table = read_table(out / "verify.h5", "checks")
+    agreement = table["layer"] == "same prediction on test digits"
+    exact = agreement & (table["expect"] == "exact")
+    assert exact.sum() == 4 and np.all(table["rel_err"][exact] == 0.0)  # 100% unchanged
+    assert np.any(agreement & (table["expect"] == "approximate"))  # 45°, 30° measured
+    layers = np.char.startswith(table["layer"].astype(str), "trained ")
+    assert layers.sum() > 4 and np.all(table["rel_err"][layers] <= 1e-10)

@@ -95,3 +95,24 @@ def test_checkpoint_of_a_trained_gsa_model(workdir):
     assert np.any(agreement & (table["expect"] == "approximate"))  # 45°, 30° measured
     layers = np.char.startswith(table["layer"].astype(str), "trained ")
     assert layers.sum() > 4 and np.all(table["rel_err"][layers] <= 1e-10)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_trained_knowledge_model(workdir):
+    run = workdir / "ka"
+    trained = run_symattn(
+        "train", "model=ka_softmax", "data=arithmetic", "model.d_model=16", "model.heads=2",
+        "model.layers=1", "model.mlp_hidden=32", "trainer.epochs=1", "trainer.lr=3e-3",
+        "trainer.max_steps_per_epoch=150", "trainer.threads=1", "logger.mode=disabled",
+        "trainer.progress=plain", f"hydra.run.dir={run}", cwd=workdir,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    out = workdir / "check"
+    result = run_symattn("verify-equivariance", f"checkpoint={run}", "logger.mode=disabled",
+                         f"hydra.run.dir={out}", cwd=workdir)  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    table = read_table(out / "verify.h5", "checks")
+    rows = dict(zip(table["layer"].tolist(), table["rel_err"].tolist(), strict=True))
+    assert rows["embedding + knowledge rotated"] <= 1e-10  # logits unchanged
+    assert rows["same prediction on test split"] == 0.0  # 100% of predictions unchanged
+    assert rows["embedding rotated alone: token acc drop"] > 0.1

@@ -1,0 +1,208 @@
+"""``symattn benchmark``: measurement of one case, presets, exponent fits, the command end to end.
+
+Nothing here asserts on speed: the machine is shared and timings are noise. The tests check
+that every number is there, finite and in range, and that the run file holds the tables.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from symattn_cli.bench.measure import Case, Settings, measure_case, measure_fresh
+from symattn_cli.bench.suite import (
+    PRESETS,
+    fit_power_law,
+    growth_exponents,
+    reference_comparison,
+    resolve,
+    select_cases,
+)
+from symattn_cli.errors import ConfigError
+from symattn_cli.train.runfile import read_summary, read_table
+from tests.helpers import read_wandb_file, run_symattn
+
+TINY = Case(kind="layer", name="gsa", group="r4", patch_size=3, image_size=6, batch=1)
+FAST = Settings(repeats=2, warmup=1, threads=1)
+
+
+# ---------------------------------------------------------------- fits on synthetic data
+
+
+def test_power_law_fit_recovers_exponent_and_prefactor():
+    rng = np.random.default_rng(0)
+    xs = np.array([1, 2, 4, 8, 16], dtype=float)
+    ys = 0.3 * xs**2.5 * np.exp(rng.normal(0, 0.01, xs.size))
+    k, a, r2 = fit_power_law(xs, ys)
+    assert k == pytest.approx(2.5, abs=0.03)
+    assert a == pytest.approx(0.3, rel=0.05)
+    assert 0.999 < r2 <= 1.0
+
+
+def test_power_law_fit_needs_two_distinct_x():
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_power_law([4, 4], [1.0, 2.0])
+
+
+def _row(n: int, p: int, side: int, form: str, time_s: float) -> dict:
+    return dict(status="ok", kind="layer", family="gsa", form=form, group_order=n,
+                patch_size=p, image_size=side, batch=2, channels=20, heads=9,
+                train_time_s=time_s, forward_time_s=time_s / 3, train_mem_mb=time_s)  # fmt: skip
+
+
+def test_growth_exponents_fit_each_axis_per_series():
+    rows = [_row(n, 5, 12, "sum", 1e-3 * n**2) for n in (1, 4, 8, 16)]
+    rows += [_row(n, 5, 12, "single", 1e-3 * n) for n in (1, 4, 8, 16)]
+    rows += [_row(8, p, 12, "sum", 1e-3 * 64 * (p / 5) ** 2) for p in (3, 7, 9)]  # P=5: above
+    rows += [_row(8, 0, 12, "sum", 99.0)]  # global: not on the P axis
+    rows += [_row(8, 5, s, "sum", 1e-3 * 64 * (s / 12) ** 2) for s in (6, 24)]
+    rows += [dict(_row(4, 5, 12, "sum", 1.0), status="failed")]  # ignored
+    fits = {(f["quantity"], f["axis"], f["series"]): f for f in growth_exponents(rows)}
+    assert fits["train_time_s", "N", "layer gsa sum"]["exponent"] == pytest.approx(2.0)
+    assert fits["train_time_s", "N", "layer gsa single"]["exponent"] == pytest.approx(1.0)
+    assert fits["forward_time_s", "N", "layer gsa single"]["exponent"] == pytest.approx(1.0)
+    p_fit = fits["train_time_s", "P", "layer gsa sum"]
+    assert p_fit["exponent"] == pytest.approx(2.0) and p_fit["points"] == 4
+    assert p_fit["x_min"] == 3 and p_fit["x_max"] == 9
+    side = fits["train_time_s", "side", "layer gsa sum"]
+    assert side["exponent"] == pytest.approx(2.0) and side["points"] == 3
+    assert all(f["r2"] == pytest.approx(1.0) for f in fits.values())
+
+
+# ---------------------------------------------------------------- presets and selection
+
+
+def test_presets_resolve_and_reference_covers_the_issue_figures():
+    for preset in PRESETS.values():
+        infos = [resolve(case)[1] for case in preset.cases()]
+        assert infos and len({i["label"] for i in infos}) == len(infos)  # no duplicates
+    reference = [resolve(c)[1] for c in PRESETS["reference"].cases()]
+    assert {(i["group"], i["batch"], i["patch_size"], i["form"]) for i in reference} == {
+        ("z2", 2, 5, "sum"), ("z4", 2, 5, "sum"), ("r8", 2, 5, "sum")
+    }  # fmt: skip
+
+
+def test_select_cases_filters_and_sets_axes():
+    cases = PRESETS["default"].cases()
+    only_r8 = select_cases(cases, groups=["r8"], layers=["gsa"])
+    assert only_r8 and all(c.group == "r8" and c.kind == "layer" for c in only_r8)
+    models = select_cases(cases, models=["r4_sa"], batch_sizes=[1, 4])
+    assert {(c.name, c.batch) for c in models} == {("r4_sa", 1), ("r4_sa", 4)}
+    collapsed = select_cases(cases, groups=["r4"], layers=["gsa"], patch_sizes=[3])
+    assert {c.patch_size for c in collapsed} == {3}
+    assert len(collapsed) == len({c.key() for c in collapsed})
+    with pytest.raises(ConfigError, match="unknown group"):
+        select_cases(cases, groups=["r5"])
+
+
+def test_reference_comparison_ratios():
+    case, info = resolve(PRESETS["reference"].cases()[2])  # r8
+    row = {"train_time_s": 0.7, "train_mem_mb": 215.5}
+    out = reference_comparison(info, row)
+    assert out["time_ratio"] == pytest.approx(20.0)
+    assert out["mem_ratio"] == pytest.approx(20.0)
+    assert out["meets_target"] == 1.0
+    slow = reference_comparison(info, {"train_time_s": 7.0, "train_mem_mb": 100.0})
+    assert slow["meets_target"] == 0.0
+    _, layer = resolve(TINY)
+    assert reference_comparison(layer, row) == {}
+
+
+# ---------------------------------------------------------------- one case
+
+
+def _check_row(row: dict, modes=("train", "forward")) -> None:
+    assert row["params"] > 0 and row["gemm_gflops"] > 0
+    for mode in modes:
+        assert row[f"{mode}_time_s"] > 0 and row[f"{mode}_time_min_s"] > 0
+        assert row[f"{mode}_time_min_s"] <= row[f"{mode}_time_s"]
+        assert row[f"{mode}_time_iqr_s"] >= 0
+        assert math.isfinite(row[f"{mode}_mem_mb"]) and row[f"{mode}_mem_mb"] >= 0
+        assert row[f"{mode}_flops"] > 0
+        assert 0 < row[f"{mode}_flop_fraction"] <= 1.5
+
+
+def test_measure_case_in_process_and_train_counts_more_flops():
+    row = measure_case(TINY, FAST)
+    _check_row(row)
+    # Backward of every matrix product costs about twice its forward.
+    assert 2.0 < row["train_flops"] / row["forward_flops"] <= 3.0
+
+
+def test_measure_fresh_runs_in_a_child_process():
+    row = measure_fresh(TINY, Settings(repeats=1, warmup=0, threads=1, modes=("train",)))
+    _check_row(row, modes=("train",))
+    assert row["runtime_init_mb"] >= 0 and "forward_time_s" not in row
+
+
+def test_measure_fresh_reports_a_failed_case():
+    bad = Case(kind="layer", name="gsa", group="r4", patch_size=4, image_size=6, batch=1)
+    with pytest.raises(RuntimeError, match="patch_size=4"):
+        measure_fresh(bad, Settings(repeats=1, warmup=0, threads=1))
+
+
+# ---------------------------------------------------------------- the command
+
+
+@pytest.mark.slow
+def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=quick", "logger.mode=offline", f"hydra.run.dir={out}", cwd=workdir
+    )
+    assert result.returncode == 0, result.stderr
+    path = out / "run.h5"
+    assert "growth exponents" in result.stdout and f"run file: {path}" in result.stdout
+
+    cases = read_table(path, "cases")
+    n = len(cases["label"])
+    assert n == len(PRESETS["quick"].cases())
+    assert set(cases["status"]) == {"ok"}
+    for column in ("group_order", "patch_size", "image_size", "batch", "params",
+                   "gemm_gflops", "runtime_init_mb"):  # fmt: skip
+        assert cases[column].shape == (n,)
+    for mode in ("train", "forward"):
+        assert np.all(cases[f"{mode}_time_s"] > 0)
+        assert np.all(cases[f"{mode}_time_iqr_s"] >= 0)
+        assert np.all(cases[f"{mode}_mem_mb"] >= 0)
+        assert np.all(cases[f"{mode}_flops"] > 0)
+        fraction = cases[f"{mode}_flop_fraction"]
+        assert np.all((fraction > 0) & (fraction <= 1.5))
+    gsa = cases["family"] == "gsa"
+    assert np.all(cases["train_mem_mb"][gsa] > 0)
+    assert {"lifting", "sum", "single"} <= set(cases["form"][gsa])
+    assert 0 in cases["patch_size"][gsa]  # global attention
+
+    fits = read_table(path, "fits")
+    assert {"N", "P", "side"} <= set(fits["axis"])
+    assert np.all(np.isfinite(fits["exponent"])) and np.all(fits["points"] >= 2)
+
+    summary = read_summary(path)
+    assert summary["cases"] == n and summary["failed"] == 0 and summary["gemm_gflops"] > 0
+
+    for name in ("time_memory_vs_group", "time_memory_vs_patch", "time_memory_vs_side"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    wandb_files = list((out / "wandb").rglob("run-*.wandb"))
+    assert len(wandb_files) == 1
+    history = read_wandb_file(wandb_files[0])["history"]
+    logged = {key: value for row in history for key, value in row.items()}
+    assert logged["benchmark/cases/_type"] == '"table-file"'
+    assert int(logged["benchmark/cases/nrows"]) == n
+    assert int(logged["benchmark/fits/nrows"]) == len(fits["axis"])
+
+
+def test_unknown_preset_is_one_line_and_exit_2(workdir: Path):
+    result = run_symattn(
+        "benchmark", "preset=fastest", "logger.mode=disabled", f"hydra.run.dir={workdir}",
+        cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "preset='fastest'" in lines[0]
+    assert all(name in lines[0] for name in PRESETS)
+    assert not (workdir / "run.h5").exists()

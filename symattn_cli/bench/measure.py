@@ -4,7 +4,8 @@ A *case* is one layer or one model at one size (:class:`Case`). A *measurement* 
 mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
 
 * time: median, inter-quartile range and minimum of the timed steps (seconds, wall clock;
-  ``torch.cuda.synchronize`` around each step on CUDA);
+  ``torch.cuda.synchronize`` around each step on CUDA), and the median CPU time of the process
+  per step (all threads; on a busy machine wall time grows while CPU time stays put);
 * memory: the peak growth during the mode's steps (warm-up included) over a baseline taken
   after the module and its input exist. CPU: peak resident set size (``VmHWM``) minus the
   resident set before the first step, with the peak counter reset in between modes
@@ -26,6 +27,12 @@ primer step (a convolution, a checkpointed backward) triggers the lazy imports a
 every process pays once; the first non-reentrant ``torch.utils.checkpoint`` call alone makes
 the RSS grow by ~150 MB of Python modules. That growth is reported as ``runtime_init_mb``.
 
+Threads: on a CPU shared with other jobs, OpenMP threads that spin while waiting for a
+descheduled partner make every small parallel region slow (measured here: a GSA-Net step 12x
+slower with 2 spinning threads on a loaded 2-core machine). Fresh processes therefore start
+with ``OMP_WAIT_POLICY=PASSIVE`` unless told otherwise (``Settings.omp_wait_policy``); the
+policy in force is recorded with every row.
+
 ``python -m symattn_cli.bench.measure`` reads ``{"case": {...}, "settings": {...}}`` as JSON on
 stdin and prints the result as one JSON line: :func:`measure_fresh` uses it so that every case
 starts from a clean process.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -104,6 +112,7 @@ class Settings:
     modes: tuple[str, ...] = MODES
     count_flops: bool = True
     seed: int = 0
+    omp_wait_policy: str = "passive"  # for fresh processes: passive | active | "" (default)
 
 
 # ---------------------------------------------------------------- building a case
@@ -256,26 +265,33 @@ def _sync(device: Any) -> Callable[[], None]:
     return lambda: None
 
 
-def time_steps(step: Callable[[], None], *, warmup: int, repeats: int, sync) -> list[float]:
+def time_steps(
+    step: Callable[[], None], *, warmup: int, repeats: int, sync
+) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU seconds of each of ``repeats`` steps after ``warmup`` ones."""
     for _ in range(warmup):
         step()
     sync()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         sync()
-        times.append(time.perf_counter() - start)
-    return times
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
-def summarize_times(times: list[float]) -> dict[str, float]:
-    """Median, inter-quartile range and minimum of step times."""
+def summarize_times(times: list[float], cpu: list[float] | None = None) -> dict[str, float]:
+    """Median, inter-quartile range and minimum of step times (and median CPU time)."""
     if len(times) >= 2:
         q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
     else:
         q1 = q3 = times[0]
-    return {"time_s": statistics.median(times), "time_iqr_s": q3 - q1, "time_min_s": min(times)}
+    out = {"time_s": statistics.median(times), "time_iqr_s": q3 - q1, "time_min_s": min(times)}
+    if cpu:
+        out["cpu_s"] = statistics.median(cpu)
+    return out
 
 
 def count_flops(step: Callable[[], None], module: Any) -> int:
@@ -302,7 +318,7 @@ def matmul_gflops(*, size: int = 1024, repeats: int = 5, device: Any = None) -> 
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     sync = _sync(device)
-    times = time_steps(lambda: torch.mm(a, b), warmup=2, repeats=repeats, sync=sync)
+    times, _ = time_steps(lambda: torch.mm(a, b), warmup=2, repeats=repeats, sync=sync)
     return 2 * size**3 / statistics.median(times) / 1e9
 
 
@@ -342,14 +358,15 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
         "gemm_gflops": gemm,
         "runtime_init_mb": init_mb,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "device": str(device),
     }
     for mode in settings.modes:
         step = _step_fn(module, x, loss_fn, mode)
         memory.start()
-        times = time_steps(step, warmup=settings.warmup, repeats=settings.repeats, sync=sync)
+        times, cpu = time_steps(step, warmup=settings.warmup, repeats=settings.repeats, sync=sync)
         row[f"{mode}_mem_mb"] = memory.peak_growth() / MB
-        for key, value in summarize_times(times).items():
+        for key, value in summarize_times(times, cpu).items():
             row[f"{mode}_{key}"] = value
     if not memory.resettable:  # only the first mode's peak is its own
         for mode in settings.modes[1:]:
@@ -367,6 +384,9 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
 def measure_fresh(case: Case, settings: Settings, *, timeout: float | None = None) -> dict:
     """:func:`measure_case` in a fresh Python process; raises ``RuntimeError`` on failure."""
     request = json.dumps({"case": asdict(case), "settings": asdict(settings)})
+    env = dict(os.environ)
+    if settings.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
     try:
         done = subprocess.run(
             [sys.executable, "-m", "symattn_cli.bench.measure"],
@@ -374,6 +394,7 @@ def measure_fresh(case: Case, settings: Settings, *, timeout: float | None = Non
             capture_output=True,
             text=True,
             timeout=timeout,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"{case.label}: no result within {timeout:.0f} s") from None

@@ -31,13 +31,14 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
     for mode in modes:
         short = "fwd+bwd" if mode == "train" else "fwd"
         table.add_column(f"{short} s", justify="right")
+        table.add_column(f"{short} cpu s", justify="right")
         table.add_column(f"{short} MB", justify="right")
         table.add_column(f"{short} FLOPs", justify="right")
         table.add_column(f"{short} %GEMM", justify="right")
     for row in rows:
         cells = [row["label"], _num(row.get("params"), ",.0f")]
         if row.get("status") != "ok":
-            cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (4 * len(modes) - 1)
+            cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (5 * len(modes) - 1)
             table.add_row(*cells)
             continue
         for mode in modes:
@@ -45,6 +46,7 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
             fraction = row.get(f"{mode}_flop_fraction")
             cells += [
                 f"{_num(time_s, '.4f')} ± {_num(iqr, '.4f')}",
+                _num(row.get(f"{mode}_cpu_s"), ".4f"),
                 _num(row.get(f"{mode}_mem_mb"), ".1f"),
                 _flops(row.get(f"{mode}_flops")),
                 _num(None if fraction is None else 100 * fraction, ".2f"),

@@ -13,6 +13,7 @@ plots in the run directory, and the same tables to Weights & Biases. What is mea
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -42,7 +43,12 @@ def _settings(cfg: Any, preset: Any):
         modes=modes,
         count_flops=cfg.count_flops,
         seed=cfg.seed,
+        omp_wait_policy=cfg.omp_wait_policy,
     )
+    if cfg.omp_wait_policy.lower() not in ("passive", "active", ""):
+        raise ConfigError(
+            f"omp_wait_policy={cfg.omp_wait_policy!r}; use passive, active or '' (library default)"
+        )
     if settings.repeats < 1 or settings.warmup < 0 or settings.threads < 0:
         raise ConfigError(
             f"repeats={settings.repeats}, warmup={settings.warmup}, threads={settings.threads}:"
@@ -92,7 +98,7 @@ def _line(row: dict[str, Any], modes) -> str:
         return f"{row['label']}: {row['status']}: {row['error']}"
     parts = [
         f"{'fwd+bwd' if m == 'train' else 'fwd'} {row[f'{m}_time_s']:.4f} s "
-        f"{row[f'{m}_mem_mb']:.1f} MB"
+        f"(cpu {row[f'{m}_cpu_s']:.4f} s) {row[f'{m}_mem_mb']:.1f} MB"
         for m in modes
     ]
     return f"{row['label']}: " + ", ".join(parts)
@@ -100,17 +106,21 @@ def _line(row: dict[str, Any], modes) -> str:
 
 def benchmark(cfg: Any) -> dict[str, Any]:
     """Run the benchmark described by ``cfg``; returns the summary."""
+    if cfg.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
+        # Read once, when OpenMP starts (first torch import): set it before that.
+        os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
+    from symattn_cli.bench.suite import get_preset, growth_exponents, resolve, select_cases
+
+    preset = get_preset(cfg.preset)  # a wrong name fails before anything heavy loads
     import torch
     from omegaconf import OmegaConf
     from rich.console import Console
 
     from symattn_cli.bench import report
     from symattn_cli.bench.measure import matmul_gflops
-    from symattn_cli.bench.suite import get_preset, growth_exponents, resolve, select_cases
     from symattn_cli.train.runfile import write_results_file
     from symattn_cli.train.tracking import start_tracker
 
-    preset = get_preset(cfg.preset)
     settings = _settings(cfg, preset)
     fresh = preset.fresh_process if cfg.fresh_process is None else cfg.fresh_process
     cases = select_cases(
@@ -138,6 +148,14 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         f"; fp32 GEMM {gemm:.1f} GFLOP/s",
         flush=True,
     )
+    load_before = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    if settings.device == "cpu" and load_before > cores:
+        print(
+            f"note: load average {load_before:.1f} on {cores} cores: other processes compete "
+            "for the CPU, so wall times are inflated (compare the cpu_s columns)",
+            flush=True,
+        )
     started = time.perf_counter()
     rows = run_cases(cases, infos, settings, fresh=fresh, timeout=cfg.case_timeout)
     elapsed = time.perf_counter() - started
@@ -149,6 +167,8 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         "failed": float(sum(row["status"] != "ok" for row in rows)),
         "gemm_gflops": gemm,
         "seconds": elapsed,
+        "load_avg_start": load_before,
+        "load_avg_end": os.getloadavg()[0],
     }
     for row in reference:
         summary[f"{row['group']}_time_ratio"] = row["time_ratio"]

@@ -81,6 +81,7 @@ class BenchmarkConfig:
     image_sizes: list[int] = field(default_factory=list)
     patch_sizes: list[int] = field(default_factory=list)
     count_flops: bool = True
+    omp_wait_policy: str = "passive"  # OpenMP idle threads: passive | active | "" (default)
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -136,6 +136,7 @@ def test_measure_fresh_runs_in_a_child_process():
     row = measure_fresh(TINY, Settings(repeats=1, warmup=0, threads=1, modes=("train",)))
     _check_row(row, modes=("train",))
     assert row["runtime_init_mb"] >= 0 and "forward_time_s" not in row
+    assert row["omp_wait_policy"] == "PASSIVE" and row["train_cpu_s"] > 0
 
 
 def test_measure_fresh_reports_a_failed_case():

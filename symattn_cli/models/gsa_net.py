@@ -127,6 +127,7 @@ class GSANet(nn.Module):
         checkpointing: bool = True,
         chunk_elements: int = 1 << 24,
         group_index: str = "relative",
+        init_gain: float = 2**0.5,
     ) -> None:
         super().__init__()
         if len(expansion) != len(block_sizes):
@@ -176,6 +177,18 @@ class GSANet(nn.Module):
                     layers.append(nn.Dropout(pool_dropout))
         self.blocks = nn.Sequential(*layers)
         self.head = nn.Conv3d(width, num_classes, 1)
+        self._init_weights(init_gain)
+
+    def _init_weights(self, gain: float) -> None:
+        """Normal 1x1-map weights with std ``gain / sqrt(fan_in)`` and zero biases (the
+        reference's "whitening" initialisation): larger q, k than PyTorch's default, so the
+        attention is not uniform at the start of training."""
+        for module in self.modules():
+            if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+                fan_in = module.weight[0].numel()
+                nn.init.normal_(module.weight, 0.0, gain / fan_in**0.5)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.input_dropout(self.input_pool(x))  # (B, C_in, H, W)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -102,7 +103,9 @@ def measure_fresh(**kwargs) -> dict:
         "import json, sys; from symattn_cli.bench.gsa_speed import measure_step; "
         f"print(json.dumps(measure_step(**{kwargs!r})))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # Passive OpenMP waiting: on a shared machine spinning threads would measure contention.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark subprocess failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

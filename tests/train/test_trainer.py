@@ -76,7 +76,7 @@ def test_gradient_clipping_bounds_the_update(tmp_path):
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     trainer.fit()
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
-    assert torch.linalg.vector_norm(after - before) <= 1e-3 + 1e-9
+    assert torch.linalg.vector_norm(after - before) <= 1e-3 * (1 + 1e-5)  # float32 steps
     trainer.run_file.close()
 
 

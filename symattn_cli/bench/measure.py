@@ -62,7 +62,9 @@ class Case:
     """One thing to measure: a layer (``kind="layer"``) or a registered model (``"model"``).
 
     Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
-    ``query_form`` sum | single, ``patch_size`` P or 0 for global), ``conv`` (``Conv2d`` with
+    ``query_form`` sum | single, ``patch_size`` P or 0 for global; ``group_index="shifted"``
+    runs the reference implementation's algorithm, which materialises the full N^3 P^2 logit
+    tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
     ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
     """
@@ -77,6 +79,7 @@ class Case:
     batch: int = 2
     channels: int = 20
     heads: int = 9
+    group_index: str = "relative"  # GSA layers: relative | shifted (the reference's algorithm)
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -86,6 +89,8 @@ class Case:
             return self.query_form if self.name.endswith("_sa") else "-"
         if self.lifting:
             return "lifting"
+        if self.name == "gsa" and self.group_index == "shifted":
+            return f"{self.query_form}-naive"
         return self.query_form if self.name == "gsa" else "group"
 
     @property
@@ -148,7 +153,7 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
         module = GroupSelfAttention(
             group=group, in_channels=c, out_channels=c, heads=case.heads,
             patch_size=case.patch_size or None, lifting=case.lifting,
-            query_form=case.query_form, attention_dropout=0.0,
+            query_form=case.query_form, attention_dropout=0.0, group_index=case.group_index,
         )  # fmt: skip
     elif case.name == "conv":
         module = torch.nn.Conv2d(c, c, case.patch_size, padding=case.patch_size // 2)

@@ -26,15 +26,12 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
     from rich.table import Table
 
     table = Table(title="benchmark cases (median s ± IQR, peak memory growth MB)")
-    table.add_column("case")
+    table.add_column("case", no_wrap=True)
     table.add_column("params", justify="right")
     for mode in modes:
         short = "fwd+bwd" if mode == "train" else "fwd"
-        table.add_column(f"{short} s", justify="right")
-        table.add_column(f"{short} cpu s", justify="right")
-        table.add_column(f"{short} MB", justify="right")
-        table.add_column(f"{short} FLOPs", justify="right")
-        table.add_column(f"{short} %GEMM", justify="right")
+        for name in ("s", "cpu s", "MB", "FLOPs", "%GEMM"):
+            table.add_column(f"{short} {name}", justify="right", no_wrap=True)
     for row in rows:
         cells = [row["label"], _num(row.get("params"), ",.0f")]
         if row.get("status") != "ok":
@@ -97,3 +94,25 @@ def fits_table(fits: Sequence[dict[str, Any]]):
             f"{fit['r2']:.3f}",
         )
     return table
+
+
+def naive_line(ratios: dict[str, float]) -> str:
+    """One line per group: how much the reference's algorithm costs over ours, same run."""
+    groups = sorted({key.split("_naive_")[0] for key in ratios})
+    lines = []
+    for group in groups:
+        parts = []
+        for mode in ("train", "forward"):
+            time_key, mem_key = (
+                f"{group}_naive_{mode}_time_ratio",
+                f"{group}_naive_{mode}_mem_ratio",
+            )
+            if time_key in ratios:
+                parts.append(
+                    f"{'fwd+bwd' if mode == 'train' else 'fwd'} {ratios[time_key]:.1f}x time, "
+                    f"{ratios[mem_key]:.1f}x memory"
+                )
+        lines.append(
+            f"reference algorithm (sum-naive) / ours (sum), {group} layer: " + "; ".join(parts)
+        )
+    return "\n".join(lines)

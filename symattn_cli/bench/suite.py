@@ -74,6 +74,7 @@ def quick_cases() -> list[Case]:
         gsa_layer("r4", "sum", patch=3, side=8, batch=1),
         gsa_layer("r4", "lifting", patch=3, side=6, batch=1),
         gsa_layer("r4", "sum", patch=0, side=4, batch=1),
+        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="shifted"),
         Case(kind="layer", name="conv", patch_size=3, image_size=6, batch=1),
         Case(kind="layer", name="gconv", group="r4", patch_size=3, image_size=6, batch=1),
         model("cnn", batch=1, channels=[4, 8]),
@@ -89,14 +90,16 @@ def default_cases() -> list[Case]:
         cases += [gsa_layer("r8", form, patch=patch) for form in ("sum", "single")]
     for side in (6, 8, 24):  # vs image side (the rotMNIST net's maps: 24, 12, 8, 6)
         cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
-    cases.append(gsa_layer("r8", "sum", batch=8))  # vs batch
+    cases += [gsa_layer("r8", "sum", batch=b) for b in (1, 8)]  # vs batch
+    for group in ("r4", "r8"):  # the reference's algorithm (full N^3 P^2 logits), same sizes
+        cases.append(replace(gsa_layer(group, "sum"), group_index="shifted"))
     for k in (3, 5):  # the convolutions a GSA layer replaces
         cases.append(Case(kind="layer", name="conv", patch_size=k, image_size=12))
         cases.append(Case(kind="layer", name="gconv", group="r4", patch_size=k, image_size=12))
     cases.append(Case(kind="layer", name="gconv", group="r4", lifting=True, patch_size=3,
                       image_size=12))  # fmt: skip
     cases += [gsa_model(g) for g in ("z2", "r4", "r8")]  # whole networks, batch 2
-    cases += [gsa_model("r8", form="single"), gsa_model("r4", batch=8)]
+    cases += [gsa_model("r8", form="single"), gsa_model("z2", batch=8)]
     cases += [model("cnn"), model("gcnn")]
     return cases
 
@@ -109,7 +112,7 @@ PRESETS: dict[str, Preset] = {
                modes=("train",)),
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
-               default_cases, repeats=5, warmup=1),
+               default_cases, repeats=3, warmup=1),
         Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
                repeats=3, warmup=1, threads=1, fresh_process=False),
     )
@@ -203,6 +206,26 @@ def select_cases(
     unique = {c.key(): c for c in reversed(out)}
     keys = list(dict.fromkeys(c.key() for c in out))
     return [unique[k] for k in keys]
+
+
+def naive_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Time and memory of the reference's algorithm (``sum-naive`` layers) over ours (``sum``)
+    at the same sizes, measured in the same run: ``<group>_naive_{time,mem}_ratio``."""
+    keys = [k for k in SERIES_KEYS if k != "form"]
+    ours = {
+        tuple(r[k] for k in keys): r for r in rows if r.get("status") == "ok" and r["form"] == "sum"
+    }
+    out = {}
+    for row in rows:
+        match = ours.get(tuple(row[k] for k in keys))
+        if row.get("status") != "ok" or row["form"] != "sum-naive" or match is None:
+            continue
+        for mode in ("train", "forward"):
+            for quantity, column in (("time", f"{mode}_time_s"), ("mem", f"{mode}_mem_mb")):
+                if column in row and column in match:
+                    ratio = row[column] / max(match[column], 1e-12)
+                    out[f"{row['group']}_naive_{mode}_{quantity}_ratio"] = ratio
+    return out
 
 
 def reference_comparison(info: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:

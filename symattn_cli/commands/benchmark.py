@@ -109,7 +109,13 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if cfg.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
         # Read once, when OpenMP starts (first torch import): set it before that.
         os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
-    from symattn_cli.bench.suite import get_preset, growth_exponents, resolve, select_cases
+    from symattn_cli.bench.suite import (
+        get_preset,
+        growth_exponents,
+        naive_comparison,
+        resolve,
+        select_cases,
+    )
 
     preset = get_preset(cfg.preset)  # a wrong name fails before anything heavy loads
     import torch
@@ -170,6 +176,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         "load_avg_start": load_before,
         "load_avg_end": os.getloadavg()[0],
     }
+    summary.update(naive_comparison(rows))
     for row in reference:
         summary[f"{row['group']}_time_ratio"] = row["time_ratio"]
         summary[f"{row['group']}_mem_ratio"] = row["mem_ratio"]
@@ -212,10 +219,13 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     finally:
         tracker.finish(exit_code=exit_code)
 
-    console = Console(width=max(Console().width, 160) if not sys.stdout.isatty() else None)
+    console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
     console.print(report.cases_table(rows, settings.modes))
     if fits:
         console.print(report.fits_table(fits))
+    naive = {k: v for k, v in summary.items() if "_naive_" in k}
+    if naive:
+        console.print(report.naive_line(naive))
     if reference:
         console.print(report.reference_table(reference))
     console.print(f"finished in {elapsed:.1f} s; run file: {path}")

@@ -17,6 +17,7 @@ from symattn_cli.bench.suite import (
     PRESETS,
     fit_power_law,
     growth_exponents,
+    naive_comparison,
     reference_comparison,
     resolve,
     select_cases,
@@ -50,7 +51,8 @@ def test_power_law_fit_needs_two_distinct_x():
 def _row(n: int, p: int, side: int, form: str, time_s: float) -> dict:
     return dict(status="ok", kind="layer", family="gsa", form=form, group_order=n,
                 patch_size=p, image_size=side, batch=2, channels=20, heads=9,
-                train_time_s=time_s, forward_time_s=time_s / 3, train_mem_mb=time_s)  # fmt: skip
+                train_time_s=time_s, forward_time_s=time_s / 3, train_mem_mb=time_s,
+                forward_mem_mb=time_s / 2)  # fmt: skip
 
 
 def test_growth_exponents_fit_each_axis_per_series():
@@ -70,6 +72,17 @@ def test_growth_exponents_fit_each_axis_per_series():
     side = fits["train_time_s", "side", "layer gsa sum"]
     assert side["exponent"] == pytest.approx(2.0) and side["points"] == 3
     assert all(f["r2"] == pytest.approx(1.0) for f in fits.values())
+
+
+def test_naive_comparison_pairs_rows_that_differ_only_in_form():
+    ours = dict(_row(8, 5, 12, "sum", 0.5), group="r8")
+    naive = dict(_row(8, 5, 12, "sum-naive", 5.0), group="r8", train_mem_mb=20.0)
+    other_size = dict(_row(8, 5, 24, "sum-naive", 9.0), group="r8")  # no partner: ignored
+    out = naive_comparison([ours, naive, other_size])
+    assert out["r8_naive_train_time_ratio"] == pytest.approx(10.0)
+    assert out["r8_naive_train_mem_ratio"] == pytest.approx(40.0)
+    assert out["r8_naive_forward_time_ratio"] == pytest.approx(10.0)
+    assert out["r8_naive_forward_mem_ratio"] == pytest.approx(10.0)
 
 
 # ---------------------------------------------------------------- presets and selection
@@ -183,6 +196,8 @@ def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
 
     summary = read_summary(path)
     assert summary["cases"] == n and summary["failed"] == 0 and summary["gemm_gflops"] > 0
+    assert summary["z4_naive_train_time_ratio"] > 0 and summary["z4_naive_forward_mem_ratio"] > 0
+    assert "reference algorithm (sum-naive) / ours (sum), z4 layer" in result.stdout
 
     for name in ("time_memory_vs_group", "time_memory_vs_patch", "time_memory_vs_side"):
         png = out / f"{name}.png"

@@ -27,8 +27,9 @@ Two query forms:
   ``"single"``: one query per output element, g = v: N times cheaper, same law.
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
-Memory: the core runs over chunks of Z and, when training, recomputes each chunk in the
-backward pass (activation checkpointing), so only the small q, k, v survive the forward.
+Memory: the core runs over bands of query rows (local) or chunks of query points (global)
+and, when training, recomputes each in the backward pass (activation checkpointing), so only
+the small q, k, v survive the forward; a P x P neighbourhood is gathered one band at a time.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class GroupSelfAttention(nn.Module):
             a = a.reshape(z * n_q, j * m, g_size).transpose(1, 2)  # (ZL, G, JM)
             return (a @ v_nb).view(z, n_q, g_size, d)
 
-        return self._mix(q, content, mask, rho_xy, rho_h, weigh, weigh_all, v_nb)
+        return self._mix(q, content, mask, rho_xy, rho_h, weigh, weigh_all)
 
     # ------------------------------------------------------------------ global
     def _attend_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
@@ -295,10 +296,10 @@ class GroupSelfAttention(nn.Module):
         def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, d)
             return torch.einsum("izjmg,zjmc->izgc", a, v)
 
-        return self._mix(q, content, None, rho_xy, rho_h, weigh, weigh_all, v)
+        return self._mix(q, content, None, rho_xy, rho_h, weigh, weigh_all)
 
     # ------------------------------------------------------------------ shared core
-    def _mix(self, q, content, mask, rho_xy, rho_h, weigh, weigh_all, v) -> torch.Tensor:
+    def _mix(self, q, content, mask, rho_xy, rho_h, weigh, weigh_all) -> torch.Tensor:
         """The attention itself, shared by local and global neighbourhoods.
 
         Two leading batch axes (A, Z) = (Z, L) for local bands, (I, Z) for global chunks:

@@ -378,7 +378,11 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
             row[f"{mode}_mem_mb"] = float("nan")
     if settings.count_flops:
         for mode in settings.modes:
-            flops = count_flops(_step_fn(module, x, loss_fn, mode), module)
+            try:  # without recomputation a big case may not fit: keep its timings anyway
+                flops = count_flops(_step_fn(module, x, loss_fn, mode), module)
+            except (MemoryError, RuntimeError) as err:  # CUDA OOM is a RuntimeError
+                row["flops_error"] = str(err).splitlines()[0] if str(err) else type(err).__name__
+                continue
             rate = flops / row[f"{mode}_time_s"] / 1e9
             row[f"{mode}_flops"] = flops
             row[f"{mode}_gflops"] = rate

@@ -116,6 +116,28 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     }
 
 
+def start_run_tracker(cfg: Any, directory: Path, *, name: str, job_type: str, **kwargs: Any):
+    """The W&B run of a command, configured by its ``logger`` node (mode, project, ...)."""
+    from omegaconf import OmegaConf
+
+    from symattn_cli.train.tracking import start_tracker
+
+    logger = cfg.logger
+    return start_tracker(
+        mode=kwargs.pop("mode", logger.mode),
+        project=logger.project,
+        entity=logger.entity,
+        group=logger.group,
+        tags=list(logger.tags),
+        wandb_dir=logger.dir,
+        run_dir=directory,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        name=name,
+        job_type=job_type,
+        **kwargs,
+    )
+
+
 def to_yaml(cfg: Any) -> str:
     from omegaconf import OmegaConf
 

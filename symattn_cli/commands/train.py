@@ -18,6 +18,7 @@ from symattn_cli.commands.common import (
     hydra_entry,
     resolve_path,
     run_dir,
+    start_run_tracker,
     to_yaml,
 )
 from symattn_cli.errors import ConfigError, UserError
@@ -63,7 +64,6 @@ def train(cfg: Any) -> dict[str, float]:
     from symattn_cli.train.progress import Progress
     from symattn_cli.train.runfile import NullRunFile, RunFile, read_state
     from symattn_cli.train.settings import TrainSettings
-    from symattn_cli.train.tracking import start_tracker
     from symattn_cli.train.trainer import (
         DivergedError,
         Trainer,
@@ -115,17 +115,12 @@ def train(cfg: Any) -> dict[str, float]:
             summary_metrics=names["summary"],
             weights={k: v.detach().cpu().numpy() for k, v in model.state_dict().items()},
         )
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
-    tracker = start_tracker(
-        mode=cfg.logger.mode if world.is_main else "disabled",
-        project=cfg.logger.project,
-        entity=cfg.logger.entity,
-        group=cfg.logger.group,
-        tags=list(cfg.logger.tags),
-        wandb_dir=cfg.logger.dir,
-        run_dir=directory,
-        config=config_dict,
+    tracker = start_run_tracker(
+        cfg,
+        directory,
         name=directory.name,
+        job_type="train",
+        mode=cfg.logger.mode if world.is_main else "disabled",
         run_id=state.get("tracker_id") if state else None,
     )
     exit_code = 1

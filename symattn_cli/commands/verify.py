@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from symattn_cli.commands.common import environment, hydra_entry, resolve_path, run_dir, to_yaml
+from symattn_cli.commands.common import (
+    environment,
+    hydra_entry,
+    resolve_path,
+    run_dir,
+    start_run_tracker,
+    to_yaml,
+)
 from symattn_cli.verify.records import Check
 
 RESULTS_FILE = "verify.h5"
@@ -129,10 +136,7 @@ def plot(rows: Sequence[Check], path: Path) -> Path:
 
 
 def verify(cfg: Any) -> list[Check]:
-    from omegaconf import OmegaConf
-
     from symattn_cli.train.runfile import write_results_file
-    from symattn_cli.train.tracking import start_tracker
 
     start = time.perf_counter()
     rows = collect(cfg)
@@ -156,12 +160,9 @@ def verify(cfg: Any) -> list[Check]:
         summary=summary,
     )
     figure = plot(rows, directory / "errors.png") if cfg.plot else None
-    tracker = start_tracker(
-        mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
-        group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_dir=cfg.logger.dir,
-        run_dir=directory, config=OmegaConf.to_container(cfg, resolve=True),
-        name=f"verify-{directory.name}", job_type="verify-equivariance",
-    )  # fmt: skip
+    tracker = start_run_tracker(
+        cfg, directory, name=f"verify-{directory.name}", job_type="verify-equivariance"
+    )
     try:
         tracker.log_table("checks", [r.row() for r in rows])
         if figure is not None:

@@ -172,6 +172,22 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     return case, info
 
 
+def check_names(models: Sequence[str] = (), layers: Sequence[str] = ()) -> None:
+    """Unknown model or layer names are config errors that list the valid ones."""
+    from symattn_cli.bench.measure import LAYERS
+
+    bad_layers = [name for name in layers if name not in LAYERS]
+    if bad_layers:
+        raise ConfigError(f"layers={list(layers)}: {bad_layers} unknown; use any of {LAYERS}")
+    if models:
+        from symattn_cli.configs.paths import list_group_options
+
+        known = list_group_options("model")
+        bad = [name for name in models if name not in known]
+        if bad:
+            raise ConfigError(f"models={list(models)}: {bad} unknown; use any of {known}")
+
+
 def select_cases(
     cases: Iterable[Case],
     *,
@@ -184,6 +200,7 @@ def select_cases(
 ) -> list[Case]:
     """Filter by ``groups``/``models``/``layers``; set every case's batch, image and patch
     sizes to each value given (a product); drop duplicates, keep the order."""
+    check_names(models, layers)
     wanted_groups = {canonical_group(g) for g in groups}
     out: list[Case] = []
     for case in cases:

@@ -18,7 +18,13 @@ import sys
 import time
 from typing import Any
 
-from symattn_cli.commands.common import environment, hydra_entry, run_dir, to_yaml
+from symattn_cli.commands.common import (
+    environment,
+    hydra_entry,
+    run_dir,
+    start_run_tracker,
+    to_yaml,
+)
 from symattn_cli.errors import ConfigError
 
 RUN_FILE = "run.h5"
@@ -119,13 +125,11 @@ def benchmark(cfg: Any) -> dict[str, Any]:
 
     preset = get_preset(cfg.preset)  # a wrong name fails before anything heavy loads
     import torch
-    from omegaconf import OmegaConf
     from rich.console import Console
 
     from symattn_cli.bench import report
     from symattn_cli.bench.measure import matmul_gflops
     from symattn_cli.train.runfile import write_results_file
-    from symattn_cli.train.tracking import start_tracker
 
     settings = _settings(cfg, preset)
     fresh = preset.fresh_process if cfg.fresh_process is None else cfg.fresh_process
@@ -199,17 +203,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
 
         plots = plot_all(rows, directory)
 
-    tracker = start_tracker(
-        mode=cfg.logger.mode,
-        project=cfg.logger.project,
-        entity=cfg.logger.entity,
-        group=cfg.logger.group,
-        tags=list(cfg.logger.tags),
-        wandb_dir=cfg.logger.dir,
-        run_dir=directory,
-        config=OmegaConf.to_container(cfg, resolve=True),
-        name=directory.name,
-    )
+    tracker = start_run_tracker(cfg, directory, name=directory.name, job_type="benchmark")
     exit_code = 1
     try:
         for name, table in tables.items():

@@ -76,7 +76,10 @@ def test_gradient_clipping_bounds_the_update(tmp_path):
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     trainer.fit()
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
-    assert torch.linalg.vector_norm(after - before) <= 1e-3 * (1 + 1e-5)  # float32 steps
+    step = float(torch.linalg.vector_norm((after - before).double()))
+    # The unclipped gradient of this loss is O(1); clipped, the step has norm 1e-3 (up to the
+    # float32 rounding of weights of size ~0.5, ~1e-7 absolute).
+    assert step == pytest.approx(1e-3, rel=1e-3)
     trainer.run_file.close()
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from symattn_cli.data.base import DataError
+from symattn_cli.data.base import DataError, DataSpec
 
 # Variants of the MNIST-family datasets:
 #   rotated  every split rotated by seeded uniform angles
@@ -136,6 +136,19 @@ def subsample(
     offset = {"train": 0, "val": 1, "test": 2}[split]
     g = generator(seed * 3 + offset, SEED_STREAM_SUBSAMPLE)
     return torch.randperm(dataset_size, generator=g)[:requested].sort().values
+
+
+def classify_spec(
+    options: Mapping[str, Any], classes: int, channels: int, size: int, arch: str
+) -> DataSpec:
+    """The DataSpec of an image classification dataset; ``data.arch`` overrides ``arch``."""
+    return DataSpec(
+        task="classify",
+        num_classes=classes,
+        in_channels=channels,
+        image_size=size,
+        arch=option(options, "arch", "") or arch,
+    )
 
 
 def option(options: Mapping[str, Any], key: str, default: Any) -> Any:

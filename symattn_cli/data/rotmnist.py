@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from symattn_cli.data import image_common
-from symattn_cli.data.base import DataBundle, DataError, DataSpec
+from symattn_cli.data.base import DataBundle, DataError
 from symattn_cli.data.image_common import (
     ImageTensorDataset,
     check_variant,
+    classify_spec,
     int_option,
     md5_of,
     missing_files_error,
@@ -255,13 +256,7 @@ def build(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
         if keep is not None:
             x_t, y_t = x_t[keep], y_t[keep]
         datasets[split] = ImageTensorDataset(x_t, y_t)
-    spec = DataSpec(
-        task="classify",
-        num_classes=10,
-        in_channels=1,
-        image_size=IMAGE_SIZE,
-        arch=option(options, "arch", "") or "rotmnist",
-    )
+    spec = classify_spec(options, 10, 1, IMAGE_SIZE, "rotmnist")
     return DataBundle(
         train=datasets["train"], val=datasets["val"], test=datasets["test"], spec=spec
     )

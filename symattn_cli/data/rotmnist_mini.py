@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from symattn_cli.data.base import DataBundle, DataError, DataSpec
+from symattn_cli.data.base import DataBundle, DataError
 from symattn_cli.data.image_common import (
     SEED_STREAM_SPLIT,
     VARIANTS,
     ImageTensorDataset,
     check_variant,
+    classify_spec,
     generator,
     int_option,
-    option,
     rotate,
     subsample,
     uniform_angles,
@@ -116,13 +116,7 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
             indices = indices[keep]
         datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices])
 
-    spec = DataSpec(
-        task="classify",
-        num_classes=10,
-        in_channels=1,
-        image_size=IMAGE_SIZE,
-        arch=option(options, "arch", "") or "rotmnist",
-    )
+    spec = classify_spec(options, 10, 1, IMAGE_SIZE, "rotmnist")
     return DataBundle(
         train=datasets["train"], val=datasets["val"], test=datasets["test"], spec=spec
     )

@@ -35,12 +35,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from symattn_cli.data.base import DataBundle, DataError, DataSpec
+from symattn_cli.data.base import DataBundle, DataError
 from symattn_cli.data.image_common import (
     SEED_STREAM_SPLIT,
     VARIANTS,
     ImageTensorDataset,
     check_variant,
+    classify_spec,
     generator,
     int_option,
     md5_of,
@@ -78,16 +79,6 @@ PCAM_SPLITS = {"train": "train", "val": "valid", "test": "test"}
 def _pcam_files(split: str) -> tuple[str, str]:
     stem = f"camelyonpatch_level_2_split_{PCAM_SPLITS[split]}"
     return f"{stem}_x.h5", f"{stem}_y.h5"
-
-
-def _spec(options: Mapping[str, Any], classes: int, channels: int, size: int, arch: str):
-    return DataSpec(
-        task="classify",
-        num_classes=classes,
-        in_channels=channels,
-        image_size=size,
-        arch=option(options, "arch", "") or arch,
-    )
 
 
 def _holdout(n: int, divisor: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +157,7 @@ def build_mnist(name: str, options: Mapping[str, Any], root: Path) -> DataBundle
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=_spec(options, 10, 1, 28, "rotmnist"),
+        spec=classify_spec(options, 10, 1, 28, "rotmnist"),
     )
 
 
@@ -289,7 +280,7 @@ def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBund
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=_spec(options, 10, 3, 32, "cifar10"),
+        spec=classify_spec(options, 10, 3, 32, "cifar10"),
     )
 
 
@@ -406,7 +397,7 @@ def build_pcam(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=_spec(options, 2, 3, 96, "pcam"),
+        spec=classify_spec(options, 2, 3, 96, "pcam"),
     )
 
 

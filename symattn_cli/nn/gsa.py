@@ -39,9 +39,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from symattn_cli.groups import Group, grid_coordinates
+from symattn_cli.nn.gsa_core import dense_attention, factorised_attention
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")
@@ -184,180 +184,88 @@ class GroupSelfAttention(nn.Module):
         shape = (b * self.heads, self.head_dim, m, *x.shape[3:])
         return tuple(f(flat).reshape(shape) for f in (self.query, self.key, self.value))
 
-    def _run(self, fn, *args):
-        if self.checkpointing and torch.is_grad_enabled() and self.training:
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
-
     def _output(self, out: torch.Tensor, b: int, spatial: tuple[int, ...]) -> torch.Tensor:
-        """``(Z, d, V, *spatial)`` -> W_out -> ``(B, C_out, N, *spatial)``."""
+        """``(Z, L, V, d)`` -> W_out -> ``(B, C_out, N, *spatial)``."""
         n_points = math.prod(spatial)
-        out = out.reshape(b, self.heads * self.head_dim, self.group.order, n_points)
+        out = out.reshape(b, self.heads, n_points, self.group.order, self.head_dim)
+        out = out.permute(0, 1, 4, 3, 2).reshape(b, -1, self.group.order, n_points)  # (B,hd,V,L)
         return self.w_out(out).reshape(b, -1, self.group.order, *spatial)
+
+    def _attend(self, q, k, v, rho_xy, rho_h, neighbour, valid) -> torch.Tensor:
+        """q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)`` -> ``(Z, L, V, d)``.
+
+        The shared core of every layer kind: :func:`factorised_attention`, or the reference's
+        dense algorithm for its v-dependent group index (``group_index="shifted"``).
+        """
+        z, _, g, d = q.shape
+        m, j, n = k.shape[2], neighbour.shape[1], self.group.order
+        q = q * (1.0 / math.sqrt(d))
+        per_query = z * j * max(g * m, g * n, g * d, m * d)
+        chunk = max(1, self.chunk_elements // per_query)
+        drop = self.attention_dropout.p if self.training else 0.0
+        if rho_h is not None and rho_h.dim() == 4:  # negative control: (m - g + v) index
+            per_query *= n * g
+            return dense_attention(
+                q, k, v, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=n,
+                dropout=self.attention_dropout, chunk=max(1, self.chunk_elements // per_query),
+            )  # fmt: skip
+        group_logits = None
+        if rho_h is not None:  # q_ig . rho_H(g^-1 m)
+            group_logits = torch.einsum("zlgc,gmc->zlmg", q[..., self.pos_dim :], rho_h)
+        recompute = self.checkpointing and torch.is_grad_enabled()
+        return factorised_attention(
+            q, k, v, group_logits, rho_xy, neighbour, valid, form=self.query_form, n=n,
+            drop=drop, chunk=chunk, recompute=recompute,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ local (P x P)
     def _attend_local(self, x: torch.Tensor, crop: int) -> torch.Tensor:
-        """Local attention on the grid, with neighbours gathered by one index_select per band.
+        """Local attention: each output pixel attends to its P x P neighbourhood.
 
-        Keys and values are zero-padded by P//2 and flattened to ``(Z, Hp*Wp, M, d)``; queries
-        sit on the padded-width grid ``(y, x)``, x < Wp, so the neighbour at offset (dy, dx) of
-        flat query index l is flat key index l + dy*Wp + dx. Columns x >= W are computed and
-        dropped. Bands of query rows bound the memory; the whole map is never unfolded.
+        Keys and values are zero-padded by P//2 and flattened to ``(Z, Hp*Wp, M, d)``; the
+        neighbour at offset (dy, dx) of output pixel (y, x) is padded pixel (y + dy, x + dx).
+        Neighbours in the padding are masked out; queries exist only for the output pixels.
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
         q, k, v = self._qkv(x)  # (Z, d, M, H, W)
         z, d = q.shape[:2]
         wp = width + 2 * r
-        # pad r on every side plus one spare row so every neighbour index stays in range
-        k = F.pad(k, (r, r, r, r + 1)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z,Lkv,M,d)
-        v = F.pad(v, (r, r, r, r + 1)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z,Lkv,M,d)
-        q = F.pad(q, (0, 2 * r)).permute(0, 3, 4, 2, 1).reshape(z, -1, m, d)  # (Z, H*Wp, G, d)
+        # contiguous: the core gathers rows of k and v and scatters their gradients
+        k = F.pad(k, (r, r, r, r)).permute(0, 3, 4, 2, 1).contiguous().view(z, -1, m, d)
+        v = F.pad(v, (r, r, r, r)).permute(0, 3, 4, 2, 1).contiguous().view(z, -1, m, d)
+        q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
+        out_h, out_w = q.shape[-2:]
+        q = q.permute(0, 3, 4, 2, 1).contiguous().view(z, out_h * out_w, m, d)  # (Z, L, G, d)
 
-        offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
+        dev = x.device
+        ys = torch.arange(crop, height - crop, device=dev)[:, None, None, None]
+        xs = torch.arange(crop, width - crop, device=dev)[None, :, None, None]
+        dys = torch.arange(p, device=dev)[None, None, :, None]
+        dxs = torch.arange(p, device=dev)[None, None, None, :]
+        neighbour = ((ys + dys) * wp + xs + dxs).reshape(out_h * out_w, p * p)  # (L, J)
+        valid = None
+        if crop < r:  # some neighbourhoods leave the image
+            inside = (ys + dys - r >= 0) & (ys + dys - r < height)
+            inside = inside & (xs + dxs - r >= 0) & (xs + dxs - r < width)
+            valid = inside.reshape(out_h * out_w, p * p)  # (L, J)
+
+        offsets = grid_coordinates(p, p, dtype=x.dtype).to(dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
-        ys = torch.arange(height, device=x.device)[:, None, None, None]
-        xs = torch.arange(wp, device=x.device)[None, :, None, None]
-        dys = torch.arange(p, device=x.device)[None, None, :, None]
-        dxs = torch.arange(p, device=x.device)[None, None, None, :]
-        # valid[y, x, dy, dx]: the neighbour lies inside the image (garbage columns: all True)
-        inside = (ys + dys - r >= 0) & (ys + dys - r < height)
-        inside = inside & (xs + dxs - r >= 0) & (xs + dxs - r < width)
-        valid = (inside | (xs >= width)).reshape(height * wp, p * p)  # (H*Wp, J)
-        neighbour = (ys * wp + xs + dys * wp + dxs).reshape(height * wp, p * p)  # (H*Wp, J)
-
-        n = self.group.order
-        per_row = wp * z * p * p * (m * m + n * m + 2 * d * m)
-        rows = max(1, self.chunk_elements // max(per_row, 1))
-        row_lo, row_hi = crop, height - crop
-        outs = []
-        for y0 in range(row_lo, row_hi, rows):
-            lo, hi = y0 * wp, min(y0 + rows, row_hi) * wp
-            band = (q[:, lo:hi], k, v, rho_xy, rho_h, valid[lo:hi], neighbour[lo:hi])
-            outs.append(self._run(self._local_band, *band))  # (Z, L, V, d)
-        out = torch.cat(outs, dim=1)  # (Z, rows*Wp, V, d)
-        out = out.reshape(z, row_hi - row_lo, wp, n, d)[:, :, crop : width - crop]
-        out = out.permute(0, 4, 3, 1, 2)  # (Z, d, V, H', W')
-        return self._output(out, b, (row_hi - row_lo, width - 2 * crop))
-
-    def _local_band(self, q, k, v, rho_xy, rho_h, valid, neighbour) -> torch.Tensor:
-        """q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, ``neighbour`` ``(L, J)`` flat key
-        indices -> ``(Z, L, V, d)``."""
-        z, n_q, g_size, d = q.shape
-        m, j = k.shape[2], neighbour.shape[1]
-        idx = neighbour.reshape(-1)
-        k_nb = k.index_select(1, idx).view(z * n_q, j * m, d)  # (ZL, JM, d)
-        v_nb = v.index_select(1, idx).view(z * n_q, j * m, d)  # (ZL, JM, d)
-        content = k_nb @ q.reshape(z * n_q, g_size, d).transpose(1, 2)  # (ZL, JM, G)
-        content = content.view(z, n_q, j, m, g_size)  # (Z, L, J, M, G)
-        mask = valid[None, :, :, None, None]  # (1, L, J, 1, 1)
-
-        def weigh(a: torch.Tensor) -> torch.Tensor:  # (Z, L, J, M, G) -> (Z, L, G, J, d)
-            a = a.reshape(z * n_q * j, m, g_size).transpose(1, 2)  # (ZLJ, G, M)
-            out = a @ v_nb.view(z * n_q * j, m, d)  # (ZLJ, G, d)
-            return out.view(z, n_q, j, g_size, d).transpose(2, 3)
-
-        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (Z, L, J, M, G) -> (Z, L, G, d)
-            a = a.reshape(z * n_q, j * m, g_size).transpose(1, 2)  # (ZL, G, JM)
-            return (a @ v_nb).view(z, n_q, g_size, d)
-
-        return self._mix(q, content, mask, rho_xy, rho_h, weigh, weigh_all)
+        out = self._attend(q, k, v, rho_xy, rho_h, neighbour, valid)  # (Z, L, V, d)
+        return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global
     def _attend_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """Global attention, ``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``."""
         b, _, m, n_points = x.shape
-        q, k, v = self._qkv(x)  # (Z, d, M, I)
+        q, k, v = (t.permute(0, 3, 2, 1).contiguous() for t in self._qkv(x))  # (Z, I, M, d)
         offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
         scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
         rho_xy, rho_h = self._encodings(offsets, scale)  # (V, I, J, E)
-        z, d = q.shape[:2]
-        q = q.permute(3, 0, 2, 1)  # (I, Z, G, d)
-        k = k.permute(0, 3, 2, 1)  # (Z, J, M, d)
-        v = v.permute(0, 3, 2, 1)  # (Z, J, M, d)
-        n = self.group.order
-        per_point = z * n_points * (m * m + n * m + 2 * d * m)
-        step = max(1, self.chunk_elements // max(per_point, 1))
-        outs = []
-        for lo in range(0, n_points, step):
-            sl = slice(lo, lo + step)
-            r_xy = None if rho_xy is None else rho_xy[:, sl]
-            outs.append(self._run(self._global_chunk, q[sl], k, v, r_xy, rho_h))
-        out = torch.cat(outs, dim=0).permute(1, 3, 2, 0)  # (Z, d, V, I)
+        everyone = torch.arange(n_points, device=x.device).expand(n_points, n_points)  # (I, J)
+        out = self._attend(q, k, v, rho_xy, rho_h, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
-
-    def _global_chunk(self, q, k, v, rho_xy, rho_h) -> torch.Tensor:
-        """q ``(I, Z, G, d)``, k, v ``(Z, J, M, d)`` -> ``(I, Z, V, d)``."""
-        content = torch.einsum("izgc,zjmc->izjmg", q, k)  # (I, Z, J, M, G)
-
-        def weigh(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, J, d)
-            return torch.einsum("izjmg,zjmc->izgjc", a, v)
-
-        def weigh_all(a: torch.Tensor) -> torch.Tensor:  # (I, Z, J, M, G) -> (I, Z, G, d)
-            return torch.einsum("izjmg,zjmc->izgc", a, v)
-
-        return self._mix(q, content, None, rho_xy, rho_h, weigh, weigh_all)
-
-    # ------------------------------------------------------------------ shared core
-    def _mix(self, q, content, mask, rho_xy, rho_h, weigh, weigh_all) -> torch.Tensor:
-        """The attention itself, shared by local and global neighbourhoods.
-
-        Two leading batch axes (A, Z) = (Z, L) for local bands, (I, Z) for global chunks:
-        q ``(A, Z, G, d)``, content ``(A, Z, J, M, G)``, mask broadcastable to it or None,
-        rho_xy ``(V, J, E)`` (local) or ``(V, I, J, E)`` (global), rho_h ``(G, M, E)``;
-        ``weigh(a)`` = sum_m a v ``(A, Z, G, J, d)``, ``weigh_all(a)`` = sum_jm a v
-        ``(A, Z, G, d)``. Returns ``(A, Z, V, d)``.
-        """
-        n_q, z, g_size, d = q.shape
-        j = content.shape[2]
-        n, e_xy = self.group.order, self.pos_dim
-        scale = 1.0 / math.sqrt(d)
-        shifted = rho_h is not None and rho_h.dim() == 4
-        logits = content
-        if rho_h is not None and not shifted:
-            group_term = torch.einsum("lzge,gme->lzmg", q[..., e_xy:], rho_h)  # (L, Z, M, G)
-            logits = logits + group_term[:, :, None]  # (L, Z, J, M, G)
-        logits = logits * scale
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-
-        spatial = None
-        if rho_xy is not None:  # q_ig . rho_xy(v^-1 (x_j - x_i))
-            q_xy = q[..., :e_xy]  # (L, Z, G, e)
-            if rho_xy.dim() == 3:  # local: one dense product with (V*J, e)
-                spatial = q_xy.reshape(-1, e_xy) @ rho_xy.reshape(-1, e_xy).T  # (LZG, VJ)
-                spatial = spatial.view(n_q, z, g_size, n, j)  # (L, Z, G, V, J)
-            else:
-                spatial = torch.einsum("lzge,vlje->lzgvj", q_xy, rho_xy)  # (L, Z, G, V, J)
-            spatial = spatial * scale
-
-        if self.query_form == "single":  # g = v: one softmax over (j, m) per output element
-            if spatial is not None:
-                diag = torch.diagonal(spatial, dim1=2, dim2=3)  # (L, Z, J, G)
-                logits = logits + diag[:, :, :, None, :]  # (L, Z, J, M, G)
-            a = torch.exp(logits - logits.amax(dim=(2, 3), keepdim=True).detach())
-            attn = self.attention_dropout(a / a.sum(dim=(2, 3), keepdim=True))
-            return weigh_all(attn)  # (L, Z, V, d)
-
-        if spatial is None:
-            spatial = logits.new_zeros(n_q, z, g_size, n, j)
-        if shifted:  # negative control: v-dependent group term, full N^3 P^2 logits
-            group_term = torch.einsum("lzge,vgme->lzmgv", q[..., e_xy:], rho_h) * scale
-            full = logits[..., None] + group_term[:, :, None]  # (L, Z, J, M, G, V)
-            full = full + spatial.permute(0, 1, 4, 2, 3)[:, :, :, None]  # (L, Z, J, M, G, V)
-            attn = torch.softmax(full.flatten(2, 3), dim=2).view_as(full)
-            attn = self.attention_dropout(attn)
-            per_v = [weigh_all(attn[..., i]).sum(dim=2) for i in range(n)]  # V x (L, Z, d)
-            return torch.stack(per_v, dim=2)  # (L, Z, V, d)
-
-        # softmax_{(j,m)}(a_jmg + s_gvj) = exp(a_jmg) exp(s_gvj) / sum_{j,m}(same)
-        a = torch.exp(logits - logits.amax(dim=(2, 3), keepdim=True).detach())  # (L,Z,J,M,G)
-        s = torch.exp(spatial - spatial.amax(dim=-1, keepdim=True).detach())  # (L,Z,G,V,J)
-        norm = s @ a.sum(dim=3).permute(0, 1, 3, 2).unsqueeze(-1)  # (L, Z, G, V, 1)
-        # Dropout on exp(content + group) drops attention weights with a mask shared over v.
-        weighted = weigh(self.attention_dropout(a))  # (L, Z, G, J, d)
-        num = s @ weighted  # (L, Z, G, V, d)
-        return (num / norm).sum(dim=2)  # (L, Z, V, d)
 
 
 def lifting_self_attention(**kwargs) -> GroupSelfAttention:

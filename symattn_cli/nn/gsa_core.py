@@ -1,0 +1,352 @@
+"""The attention core of lifting / group self-attention: a two-level softmax with its own backward.
+
+Letters: Z = batch * heads, L query points, Lkv key points, G query group elements, M key group
+elements, V output group elements, J neighbours per query (P*P when local, all points when
+global), d channels per head, e spatial-encoding channels (the first e of d), P = Z * Lc query
+points of a chunk (z-major), K = V for the paper's form and 1 for one query per output element.
+
+For output (i, v), query element g and key (j, m) the logit is (GSA-Nets Eq. 16, q pre-scaled
+by 1/sqrt(d))
+
+    c[j, m, g] + s[v, j, g],   c = q_ig . k_jm + q_ig . rho_H(g^-1 m),
+                               s = q_ig . rho_xy(v^-1 dx_j)
+
+and the softmax runs jointly over (j, m). Because s does not depend on m, it factorises into
+two ordinary softmaxes:
+
+    softmax_(j,m)(c + s) = pi[j, m, g] * beta[v, j, g]
+    pi   = softmax_m(c[j, :, g])                     inner: over the key's group axis
+    lse  = logsumexp_m(c[j, :, g])
+    beta = softmax_j(s[v, :, g] + lse[:, g])         outer: over neighbours
+
+so out(i, v) = sum_(j, g) beta[v, j, g] W[j, g] with W[j, g] = sum_m pi[j, m, g] val[j, m]. The
+largest tensors hold P * J * M * G and P * V * J * G numbers; the reference's P * V * G * J * M
+logit tensor never exists. Each factor is stable on its own: the outer logits contain the
+inner log-normaliser, so the joint maximum is what gets subtracted. With one query per output
+element (g = v) the outer softmax has K = 1 row per g.
+
+Layouts are chosen so that the big contractions are batched products over P with J*M or J*G
+rows (content, values, dq, dk), and only the per-neighbour (M x G) products are small.
+
+:class:`FactorisedAttention` runs this over chunks of queries and saves only q, k, v, the
+encodings and the dropout masks for the backward pass, where each chunk is recomputed and
+differentiated by hand: peak memory is one chunk's working set, whatever the image size.
+Attention dropout drops entries of pi (shared by every v).
+
+:func:`dense_attention` is the reference algorithm (full logits, autograd), kept for the
+reference's v-dependent group index (a negative control) and as a test oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FORMS = ("sum", "single")
+
+
+def _spatial_logits(q_xy: torch.Tensor, rho: torch.Tensor, form: str, rows: slice):
+    """s ``(P, K, J, G)`` (contiguous) from q_xy ``(Z, Lc, G, e)`` and rho ``(V, J, e)`` or
+    ``(V, L, J, e)``."""
+    z, lc, g, e = q_xy.shape
+    if rho.dim() == 3:  # local: one table for every query
+        v, j = rho.shape[:2]
+        if form == "sum":
+            table = rho.reshape(1, v * j, e).expand(z * lc, v * j, e)  # (P, VJ, e), no copy
+            s = torch.bmm(table, q_xy.reshape(z * lc, g, e).transpose(1, 2))  # (P, VJ, G)
+            return s.view(z * lc, v, j, g)  # (P, V, J, G)
+        s = torch.einsum("zlge,gje->zljg", q_xy, rho)  # (Z, Lc, J, G): v = g
+        return s.reshape(z * lc, 1, j, g).contiguous()  # (P, 1, J, G)
+    r = rho[:, rows]  # (V, Lc, J, e): global, one table per query
+    if form == "sum":
+        s = torch.einsum("zlge,vlje->zlvjg", q_xy, r)  # (Z, Lc, V, J, G)
+        return s.reshape(z * lc, r.shape[0], r.shape[2], g).contiguous()  # (P, V, J, G)
+    s = torch.einsum("zlge,glje->zljg", q_xy, r)  # (Z, Lc, J, G)
+    return s.reshape(z * lc, 1, r.shape[2], g).contiguous()  # (P, 1, J, G)
+
+
+def _spatial_grads(ds, q_xy, rho, form: str, rows: slice, grad_rho) -> torch.Tensor:
+    """Backward of :func:`_spatial_logits`: returns dq_xy, accumulates into ``grad_rho``."""
+    z, lc, g, e = q_xy.shape
+    if rho.dim() == 3:
+        v, j = rho.shape[:2]
+        if form == "sum":
+            ds = ds.view(z * lc, v * j, g)  # (P, VJ, G)
+            table = rho.reshape(1, v * j, e).expand(z * lc, v * j, e)  # (P, VJ, e)
+            dq = torch.bmm(ds.transpose(1, 2), table)  # (P, G, e)
+            q2 = q_xy.reshape(z * lc * g, e)  # (PG, e)
+            grad_rho += (ds.transpose(0, 1).reshape(v * j, -1) @ q2).view(v, j, e)
+            return dq.view(z, lc, g, e)
+        ds = ds.view(z, lc, -1, g)  # (Z, Lc, J, G)
+        grad_rho += torch.einsum("zljg,zlge->gje", ds, q_xy)
+        return torch.einsum("zljg,gje->zlge", ds, rho)
+    r = rho[:, rows]  # (V, Lc, J, e)
+    if form == "sum":
+        ds = ds.view(z, lc, r.shape[0], -1, g)  # (Z, Lc, V, J, G)
+        grad_rho[:, rows] += torch.einsum("zlvjg,zlge->vlje", ds, q_xy)
+        return torch.einsum("zlvjg,vlje->zlge", ds, r)
+    ds = ds.view(z, lc, -1, g)  # (Z, Lc, J, G)
+    grad_rho[:, rows] += torch.einsum("zljg,zlge->glje", ds, q_xy)
+    return torch.einsum("zljg,glje->zlge", ds, r)
+
+
+class _Unstable(Exception):
+    """exp of unshifted logits overflowed or underflowed: redo the chunk with shifts."""
+
+
+def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
+    """In-place softmax over a short axis (faster on CPU than ``torch.softmax`` for the
+    4-25 long axes here); returns logsumexp (keepdim).
+
+    ``shift=False`` skips subtracting the maximum (two passes over the largest tensors) and
+    raises :class:`_Unstable` when a normaliser leaves the normal floating-point range; the
+    caller then recomputes with ``shift=True``. Both give the same softmax.
+    """
+    top = None
+    if shift:
+        top = x.amax(dim, keepdim=True)
+        x.sub_(top)
+    x.exp_()
+    total = x.sum(dim, keepdim=True)
+    if not shift:
+        info = torch.finfo(x.dtype)
+        if not bool(((total >= info.tiny) & (total <= info.max)).all()):
+            raise _Unstable
+    x.div_(total)
+    lse = total.log_()
+    return lse if top is None else lse.add_(top)
+
+
+class _Chunk:
+    """The forward quantities of one chunk of queries (recomputed in the backward).
+
+    ``keep``: the dropout keep mask ``(P, J, M, G)`` (bool; multiplying by it as a float is
+    the fastest way to apply it on CPU) or None; v is pre-scaled by 1 / (1 - p).
+    With one key and one query element per point (lifting), pi = 1 and is not stored.
+    """
+
+    def __init__(self, q, k, v, group_logits, rho, nb, valid, form, keep, rows, shift):
+        z, lc, g, d = q.shape
+        m, j = k.shape[2], nb.shape[1]
+        p = z * lc
+        e = 0 if rho is None else rho.shape[-1]
+        idx = nb.reshape(-1)
+        self.q = q.reshape(p, g, d)  # (P, G, d)
+        self.k_nb = k.index_select(1, idx).view(p, j * m, d)  # (P, JM, d)
+        self.v_nb = v.index_select(1, idx).view(p, j * m, d)  # (P, JM, d)
+        self.keep = None if keep is None else keep.to(q.dtype)  # (P, J, M, G)
+        c = torch.bmm(self.k_nb, self.q.transpose(1, 2)).view(p, j, m, g)  # (P, J, M, G)
+        if group_logits is not None:
+            c += group_logits.reshape(p, 1, m, g)
+        if m == 1 and g == 1:  # lifting: the inner softmax is over one element
+            self.pi = self.pi_kept = None
+            lse = c.view(p, 1, j, 1)
+            w = self.v_nb if keep is None else self.v_nb * self.keep.view(p, j, 1)  # (P, J, d)
+        else:
+            lse = _softmax_(c, dim=2, shift=shift)  # (P, J, 1, G); c is now pi
+            self.pi = c
+            self.pi_kept = c if keep is None else c * self.keep  # attention dropout
+            pk = self.pi_kept.view(p * j, m, g).transpose(1, 2)  # (PJ, G, M)
+            w = torch.bmm(pk, self.v_nb.view(p * j, m, d))  # (PJ, G, d)
+        self.w = w.view(p, j * g, d)  # (P, JG, d)
+        if e:
+            t = _spatial_logits(q[..., :e], rho, form, rows)  # (P, K, J, G)
+            t.add_(lse.view(p, 1, j, g))
+        else:
+            t = lse.reshape(p, 1, j, g).clone()  # (P, 1, J, G)
+        if valid is not None:  # neighbours outside the image take no weight
+            tz = t.view(z, lc, *t.shape[1:])  # (Z, Lc, K, J, G)
+            tz.masked_fill_(~valid[None, :, None, :, None], -math.inf)
+        _softmax_(t, dim=2, shift=shift)
+        self.beta = t  # (P, K, J, G): outer softmax over j
+        self.shape = (z, lc, g, m, j, d, p, e)
+
+    def output(self, form: str, n: int) -> torch.Tensor:
+        """``(P, V, d)``."""
+        p, k, j, g = self.beta.shape
+        if form == "single":  # out[g] = sum_j beta[j, g] W[j, g]
+            w = self.w.view(p, j, g, -1)
+            return (self.beta.view(p, j, g, 1) * w).sum(1)  # (P, G, d)
+        out = torch.bmm(self.beta.view(p, k, j * g), self.w)  # (P, K, d)
+        return out if k == n else out.expand(p, n, -1)  # no spatial term: same for every v
+
+    def backward(self, go: torch.Tensor, form: str):
+        """``go`` ``(P, V, d)`` -> d_t ``(P, K, J, G)``, d_c ``(P, JM, G)``, d_vnb ``(P, JM, d)``:
+        the gradients of the outer logits, the inner logits and the gathered values."""
+        z, lc, g, m, j, d, p, e = self.shape
+        beta = self.beta  # (P, K, J, G)
+        kk = beta.shape[1]
+        if form == "single":
+            w = self.w.view(p, 1, j, g, d)
+            d_t = (w * go.view(p, 1, 1, g, d)).sum(-1).mul_(beta)  # (P, 1, J, G): beta d_beta
+            d_w = (beta[..., None] * go.view(p, 1, 1, g, d)).view(p, j * g, d)  # (P, JG, d)
+        else:
+            if kk == 1:
+                go = go.sum(1, keepdim=True)  # (P, 1, d): every v had the same weights
+            d_t = torch.bmm(go, self.w.transpose(1, 2)).view(p, kk, j, g).mul_(beta)
+            d_w = torch.bmm(beta.view(p, kk, j * g).transpose(1, 2), go)  # (P, JG, d)
+        # softmax over j: d_t = beta * (d_beta - sum_j beta d_beta)
+        d_t.addcmul_(beta, d_t.sum(2, keepdim=True), value=-1.0)  # (P, K, J, G)
+        d_lse = d_t.sum(1)  # (P, J, G)
+        if self.pi is None:  # lifting: pi = 1, d_c = d_lse
+            d_vnb = d_w if self.keep is None else d_w * self.keep.view(p, j, 1)
+            return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
+        d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
+        d_pi = torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2))  # (PJ, M, G)
+        d_vnb = torch.bmm(self.pi_kept.view(p * j, m, g), d_w)  # (PJ, M, d)
+        if self.keep is not None:
+            d_pi = d_pi.view(p, j, m, g).mul_(self.keep)
+        # softmax and logsumexp over m: sum_m pi d_pi = d_w . w (the mask is inside w)
+        corr = (d_w * self.w.view(p * j, g, d)).sum(-1).view(p, j, 1, g)  # (P, J, 1, G)
+        corr.sub_(d_lse.view(p, j, 1, g))
+        d_c = d_pi.view(p, j, m, g).sub_(corr).mul_(self.pi)  # (P, J, M, G)
+        return d_t, d_c.view(p, j * m, g), d_vnb.view(p, j * m, d)
+
+
+DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
+
+
+def _keep_mask(shape, p: float, device) -> torch.Tensor:
+    """Bool mask, False with probability ``p`` (a multiple of 2^-15): 15 random bits per entry,
+    four entries per 64-bit draw (a quarter of the cost of ``torch.rand``)."""
+    n = math.prod(shape)
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()  # [0, 2^63)
+    u15 = bits.view(torch.int16)[:n].view(shape) & (DROP_STEPS - 1)  # uniform on [0, 2^15)
+    return u15 >= round(p * DROP_STEPS)
+
+
+class FactorisedAttention(torch.autograd.Function):
+    """``out (Z, L, V, d)`` from q ``(Z, L, G, d)`` (pre-scaled by 1/sqrt(d)), k, v
+    ``(Z, Lkv, M, d)`` (v pre-scaled by 1 / (1 - drop)).
+
+    ``group_logits`` ``(Z, L, M, G)`` or None; ``rho`` ``(V, J, e)`` (local), ``(V, L, J, e)``
+    (global) or None; ``neighbour`` ``(L, J)`` indices into Lkv; ``valid`` ``(L, J)`` bool or
+    None; ``n`` = V; ``drop`` the attention-dropout rate; ``chunk`` queries per chunk;
+    ``recompute`` recomputes each chunk in the backward instead of keeping it (memory).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group_logits, rho, neighbour, valid, form, n, drop, chunk,
+                recompute):  # fmt: skip
+        z, n_q, g, d = q.shape
+        m, j = k.shape[2], neighbour.shape[1]
+        out = q.new_empty(z, n_q, n, d)
+        kept, masks, inside, shifts = [], [], [], []
+        for lo in range(0, n_q, chunk):
+            rows = slice(lo, min(lo + chunk, n_q))
+            mask = None
+            if drop > 0:
+                mask = _keep_mask((z * (rows.stop - lo), j, m, g), drop, q.device)  # (P,J,M,G)
+                masks.append(mask)
+            inside.append(valid is None or bool(valid[rows].all()))
+            vmask = None if inside[-1] else valid[rows]
+            args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
+                    rho, neighbour[rows], vmask, form, mask, rows)  # fmt: skip
+            try:
+                ch, shift = _Chunk(*args, shift=False), False
+            except _Unstable:
+                ch, shift = _Chunk(*args, shift=True), True
+            shifts.append(shift)
+            out[:, rows] = ch.output(form, n).view(z, -1, n, d)
+            if not recompute:
+                kept.append(ch)
+        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid)
+        ctx.args = (form, n, chunk)
+        ctx.kept, ctx.masks, ctx.inside, ctx.shifts = kept, masks, inside, shifts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
+        form, n, chunk = ctx.args
+        n_q = q.shape[1]
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        grad_gl = None if group_logits is None else torch.empty_like(group_logits)
+        grad_rho = None if rho is None else torch.zeros_like(rho)
+        for i, lo in enumerate(range(0, n_q, chunk)):
+            rows = slice(lo, min(lo + chunk, n_q))
+            if ctx.kept:
+                ch = ctx.kept[i]
+            else:
+                ch = _Chunk(
+                    q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
+                    rho, neighbour[rows], None if ctx.inside[i] else valid[rows], form,
+                    ctx.masks[i] if ctx.masks else None, rows, shift=ctx.shifts[i],
+                )  # fmt: skip
+            z, lc, g, m, j, d, p, e = ch.shape
+            d_t, d_c, d_vnb = ch.backward(grad_out[:, rows].reshape(p, n, d), form)
+            if grad_gl is not None:
+                grad_gl[:, rows] = d_c.view(p, j, m, g).sum(1).view(z, lc, m, g)
+            dq = torch.bmm(d_c.transpose(1, 2), ch.k_nb).view(z, lc, g, d)  # (Z, Lc, G, d)
+            if e:
+                dq[..., :e] += _spatial_grads(d_t, q[:, rows, :, :e], rho, form, rows, grad_rho)
+            grad_q[:, rows] = dq
+            d_knb = torch.bmm(d_c, ch.q)  # (P, JM, d)
+            idx = neighbour[rows].reshape(-1)
+            grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
+            grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
+        ctx.kept, ctx.masks = [], []
+        return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 7
+
+
+def factorised_attention(
+    q, k, v, group_logits, rho, neighbour, valid, *, form: str, n: int, drop: float = 0.0,
+    chunk: int, recompute: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """Functional entry point of :class:`FactorisedAttention` (q already scaled by 1/sqrt(d)).
+
+    Attention dropout zeroes each entry of pi with probability ``drop`` (rounded to a multiple
+    of 2^-15); the 1 / (1 - drop) rescaling is applied to v here, outside the core.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}; choose one of {FORMS}")
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"attention dropout {drop} must be in [0, 1)")
+    drop = round(drop * DROP_STEPS) / DROP_STEPS
+    if drop > 0:
+        v = v * (1.0 / (1.0 - drop))
+    return FactorisedAttention.apply(
+        q, k, v, group_logits, rho, neighbour, valid, form, n, drop, max(int(chunk), 1), recompute
+    )
+
+
+def dense_attention(q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: int,
+                    dropout: torch.nn.Module, chunk: int) -> torch.Tensor:  # fmt: skip
+    """The reference algorithm: full ``(P, V, G, J, M)`` logits, plain autograd.
+
+    Same arguments as :class:`FactorisedAttention` except ``group_rho`` ``(V, G, M, E)``, a
+    group encoding that may depend on v (the reference's (m - g + v) index), applied to the
+    last E channels of q. Memory grows as N^3 P^2 per query, as in the reference.
+    """
+    z, n_q, g, d = q.shape
+    m, j = k.shape[2], neighbour.shape[1]
+    e = 0 if rho is None else rho.shape[-1]
+    outs = []
+    for lo in range(0, n_q, chunk):
+        rows = slice(lo, min(lo + chunk, n_q))
+        qc = q[:, rows]  # (Z, Lc, G, d)
+        lc = qc.shape[1]
+        p = z * lc
+        idx = neighbour[rows].reshape(-1)
+        k_nb = k.index_select(1, idx).view(p, j, m, d)  # (P, J, M, d)
+        v_nb = v.index_select(1, idx).view(p, j, m, d)  # (P, J, M, d)
+        q2 = qc.reshape(p, g, d)  # (P, G, d)
+        full = torch.einsum("pgc,pjmc->pgjm", q2, k_nb)[:, None]  # (P, 1, G, J, M)
+        if group_rho is not None:
+            gt = torch.einsum("pgc,vgmc->pvgm", q2[..., e:], group_rho)  # (P, V, G, M)
+            full = full + gt[:, :, :, None, :]  # (P, V, G, J, M)
+        if e:
+            s = _spatial_logits(qc[..., :e], rho, "sum", rows)  # (P, V, J, G)
+            full = full + s.permute(0, 1, 3, 2)[..., None]  # (P, V, G, J, M)
+        full = full.expand(p, n, g, j, m)
+        if form == "single":  # g = v only
+            full = torch.diagonal(full, dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]
+        if valid is not None:
+            mask = valid[rows].repeat(z, 1)[:, None, None, :, None]  # (P, 1, 1, J, 1)
+            full = full.masked_fill(~mask, -math.inf)
+        attn = dropout(torch.softmax(full.flatten(3), dim=-1)).view_as(full)
+        outs.append(torch.einsum("pvgjm,pjmc->pvc", attn, v_nb).view(z, lc, n, d))
+    return torch.cat(outs, dim=1)  # (Z, L, V, d)

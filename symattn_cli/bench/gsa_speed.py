@@ -46,7 +46,7 @@ def measure_step(
     query_form: str = "sum",
     checkpointing: bool = True,
     naive: bool = False,
-    chunk_elements: int = 1 << 22,
+    chunk_elements: int = 1 << 18,
     repeats: int = 5,
     warmup: int = 1,
     threads: int = 2,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--query-form", default="sum", choices=["sum", "single"])
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--naive", action="store_true", help="reference algorithm (N^3 logits)")
-    parser.add_argument("--chunk-elements", type=int, default=1 << 22)
+    parser.add_argument("--chunk-elements", type=int, default=1 << 18)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)

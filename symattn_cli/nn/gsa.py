@@ -21,15 +21,16 @@ m - g + v, which is not; ``group_index="shifted"`` reproduces that as a negative
 
 Two query forms:
   ``"sum"`` (GSA-Nets Eq. 15-16): out(i, v) = sum_g softmax_{(j, m)}(...) val_jm, one softmax
-      per (v, g). Since the spatial term does not depend on m and the others not on v, the
-      softmax of the sum is a normalised product exp(content + group) * exp(spatial): the
-      N^3 P^2 logit tensor of the reference is never formed, only N^2 P^2 ones.
+      per (v, g). The spatial term does not depend on m and the others not on v, so each
+      softmax is an inner softmax over m times an outer softmax over j
+      (:mod:`symattn_cli.nn.gsa_core`): the N^3 P^2 logit tensor of the reference is never
+      formed, only N^2 P^2 ones, a chunk of queries at a time.
   ``"single"``: one query per output element, g = v: N times cheaper, same law.
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
-Memory: the core runs over bands of query rows (local) or chunks of query points (global)
-and, when training, recomputes each in the backward pass (activation checkpointing), so only
-the small q, k, v survive the forward; a P x P neighbourhood is gathered one band at a time.
+Memory: the core keeps only q, k, v, the encodings and the dropout masks for the backward
+pass and recomputes each chunk of queries there (``checkpointing=True``, the default), so
+peak memory is one chunk's working set (``chunk_elements`` numbers in its largest tensor).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class GroupSelfAttention(nn.Module):
         max_offset: float | None = None,
         group_index: str = "relative",
         checkpointing: bool = True,
-        chunk_elements: int = 1 << 24,
+        chunk_elements: int = 1 << 18,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):

@@ -251,15 +251,15 @@ class FactorisedAttention(torch.autograd.Function):
             out[:, rows] = ch.output(form, n).view(z, -1, n, d)
             if not recompute:
                 kept.append(ch)
-        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid)
+        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid, *masks)
         ctx.args = (form, n, chunk)
-        ctx.kept, ctx.masks, ctx.inside, ctx.shifts = kept, masks, inside, shifts
+        ctx.kept, ctx.inside, ctx.shifts = kept, inside, shifts
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
+        q, k, v, group_logits, rho, neighbour, valid, *masks = ctx.saved_tensors
         form, n, chunk = ctx.args
         n_q = q.shape[1]
         grad_q = torch.empty_like(q)
@@ -274,7 +274,7 @@ class FactorisedAttention(torch.autograd.Function):
                 ch = _Chunk(
                     q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
                     rho, neighbour[rows], None if ctx.inside[i] else valid[rows], form,
-                    ctx.masks[i] if ctx.masks else None, rows, shift=ctx.shifts[i],
+                    masks[i] if masks else None, rows, shift=ctx.shifts[i],
                 )  # fmt: skip
             z, lc, g, m, j, d, p, e = ch.shape
             d_t, d_c, d_vnb = ch.backward(grad_out[:, rows].reshape(p, n, d), form)
@@ -288,7 +288,7 @@ class FactorisedAttention(torch.autograd.Function):
             idx = neighbour[rows].reshape(-1)
             grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
             grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
-        ctx.kept, ctx.masks = [], []
+        ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
         return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 7
 
 

@@ -1,0 +1,115 @@
+"""The factorised attention core: gradients, agreement with the dense algorithm, stability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symattn_cli.nn.gsa_core import (
+    FactorisedAttention,
+    _keep_mask,
+    dense_attention,
+    factorised_attention,
+)
+
+
+def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=3, d=5, e=2, local=True, seed=0):
+    """Random core inputs in float64: every query sees ``j`` keys, the first one invalid."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rnd(z, n_q, g, d), rnd(z, n_kv, m, d), rnd(z, n_kv, m, d)
+    group_logits = rnd(z, n_q, m, g) if m > 1 else None
+    rho = rnd(n, j, e) if local else rnd(n, n_q, j, e)
+    neighbour = torch.randint(0, n_kv, (n_q, j), generator=gen)
+    valid = torch.ones(n_q, j, dtype=torch.bool)
+    valid[::2, 0] = False  # some queries lose a neighbour
+    return q, k, v, group_logits, rho, neighbour, valid
+
+
+CASES = [
+    ("sum", dict()),
+    ("sum", dict(local=False)),
+    ("single", dict()),
+    ("single", dict(local=False)),
+    ("sum", dict(g=1, m=1)),  # lifting
+]
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES)
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_gradcheck(form, shape, drop):
+    q, k, v, gl, rho, nb, valid = _inputs(**shape)
+    n = rho.shape[0]
+
+    def f(q, k, v, gl, rho):
+        torch.manual_seed(0)  # the same dropout mask on every call
+        return FactorisedAttention.apply(q, k, v, gl, rho, nb, valid, form, n, drop, 2, True)
+
+    args = [t.requires_grad_() if t is not None else None for t in (q, k, v, gl, rho)]
+    assert torch.autograd.gradcheck(f, args)
+
+
+def _dense(q, k, v, gl_rho, rho, nb, valid, form, n):
+    return dense_attention(
+        q, k, v, gl_rho, rho, nb, valid, form=form, n=n, dropout=torch.nn.Identity(), chunk=3
+    )
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES)
+def test_matches_dense_softmax(form, shape):
+    """Factorised (inner x outer softmax) = one softmax over the full (j, m) logits, values
+    and gradients; the group term rides on the channels after the spatial ones."""
+    q, k, v, _, rho, nb, valid = _inputs(**shape)
+    n, g, m, e = rho.shape[0], q.shape[2], k.shape[2], rho.shape[-1]
+    table = torch.randn(g, m, q.shape[3] - e, dtype=torch.float64)  # rho_H(g^-1 m), say
+    fast_leaves = [t.clone().requires_grad_() for t in (q, k, v, rho)]
+    dense_leaves = [t.clone().requires_grad_() for t in (q, k, v, rho)]
+    qf, kf, vf, rf = fast_leaves
+    gl = torch.einsum("zlgc,gmc->zlmg", qf[..., e:], table) if m > 1 else None
+    fast = factorised_attention(qf, kf, vf, gl, rf, nb, valid, form=form, n=n, chunk=2)
+    group_rho = table.expand(n, g, m, -1) if m > 1 else None
+    slow = _dense(*dense_leaves[:3], group_rho, dense_leaves[3], nb, valid, form, n)
+    assert torch.allclose(fast, slow, atol=1e-12)
+    weights = torch.randn_like(fast)
+    (fast * weights).sum().backward()
+    (slow * weights).sum().backward()
+    for a, b in zip(fast_leaves, dense_leaves, strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_logits_fall_back_to_shifted_softmax(dtype):
+    """Logits beyond exp's range: the unshifted fast path overflows, the shifted one is used."""
+    q, k, v, _, rho, nb, valid = _inputs()
+    q, k, v, rho = (t.to(dtype) for t in (q, k, v, rho))
+    q = q * 400.0  # |logits| ~ 1e3: exp overflows in float32 and float64
+    out = factorised_attention(q, k, v, None, rho, nb, valid, form="sum", n=3, chunk=2)
+    ref = _dense(q.double(), k.double(), v.double(), None, rho.double(), nb, valid, "sum", 3)
+    assert torch.isfinite(out).all()
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(out.double(), ref, atol=tol * ref.abs().max())
+
+
+def test_dropout_rate_and_identity_without_dropout():
+    keep = _keep_mask((1000, 1000), 0.1, "cpu")
+    assert abs(1.0 - keep.double().mean().item() - 0.1) < 2e-3  # 1e6 draws: std 3e-4
+    assert _keep_mask((10,), 0.0, "cpu").all()
+    q, k, v, gl, rho, nb, valid = _inputs()
+    torch.manual_seed(1)
+    a = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
+    b = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2)
+    assert not torch.allclose(a, b)  # dropout changes the output ...
+    torch.manual_seed(1)
+    c = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
+    assert torch.equal(a, c)  # ... reproducibly from the seed
+
+
+def test_bad_arguments():
+    q, k, v, gl, rho, nb, valid = _inputs()
+    with pytest.raises(ValueError, match="form='x'"):
+        factorised_attention(q, k, v, gl, rho, nb, valid, form="x", n=3, chunk=2)
+    with pytest.raises(ValueError, match="dropout 1.0"):
+        factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=1.0, chunk=2)

@@ -40,6 +40,7 @@ reference's v-dependent group index (a negative control) and as a test oracle.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -231,65 +232,115 @@ class FactorisedAttention(torch.autograd.Function):
                 recompute):  # fmt: skip
         z, n_q, g, d = q.shape
         m, j = k.shape[2], neighbour.shape[1]
+        chunks = [slice(lo, min(lo + chunk, n_q)) for lo in range(0, n_q, chunk)]
+        masks = []  # drawn here, in order, so that a seed fixes them whatever the workers do
+        if drop > 0:
+            masks = [_keep_mask((z * (r.stop - r.start), j, m, g), drop, q.device) for r in chunks]
+        inside = [valid is None or bool(valid[r].all()) for r in chunks]
         out = q.new_empty(z, n_q, n, d)
-        kept, masks, inside, shifts = [], [], [], []
-        for lo in range(0, n_q, chunk):
-            rows = slice(lo, min(lo + chunk, n_q))
-            mask = None
-            if drop > 0:
-                mask = _keep_mask((z * (rows.stop - lo), j, m, g), drop, q.device)  # (P,J,M,G)
-                masks.append(mask)
-            inside.append(valid is None or bool(valid[rows].all()))
-            vmask = None if inside[-1] else valid[rows]
-            args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                    rho, neighbour[rows], vmask, form, mask, rows)  # fmt: skip
-            try:
-                ch, shift = _Chunk(*args, shift=False), False
-            except _Unstable:
-                ch, shift = _Chunk(*args, shift=True), True
-            shifts.append(shift)
-            out[:, rows] = ch.output(form, n).view(z, -1, n, d)
-            if not recompute:
-                kept.append(ch)
+        shifts: list[bool] = [False] * len(chunks)
+        kept: list[_Chunk | None] = [None] * len(chunks)
+
+        def run(indices: list[int]) -> None:
+            for i in indices:
+                rows = chunks[i]
+                args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
+                        rho, neighbour[rows], None if inside[i] else valid[rows], form,
+                        masks[i] if masks else None, rows)  # fmt: skip
+                try:
+                    ch = _Chunk(*args, shift=False)
+                except _Unstable:
+                    ch, shifts[i] = _Chunk(*args, shift=True), True
+                out[:, rows] = ch.output(form, n).view(z, -1, n, d)
+                if not recompute:
+                    kept[i] = ch
+
+        _in_workers(run, len(chunks), q.device, z * n_q * j * m * g)
         ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid, *masks)
-        ctx.args = (form, n, chunk)
-        ctx.kept, ctx.inside, ctx.shifts = kept, inside, shifts
+        ctx.args = (form, n, chunks, inside, shifts)
+        ctx.kept = kept if not recompute else []
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, group_logits, rho, neighbour, valid, *masks = ctx.saved_tensors
-        form, n, chunk = ctx.args
-        n_q = q.shape[1]
+        form, n, chunks, inside, shifts = ctx.args
         grad_q = torch.empty_like(q)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
-        grad_rho = None if rho is None else torch.zeros_like(rho)
-        for i, lo in enumerate(range(0, n_q, chunk)):
-            rows = slice(lo, min(lo + chunk, n_q))
-            if ctx.kept:
-                ch = ctx.kept[i]
-            else:
-                ch = _Chunk(
-                    q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                    rho, neighbour[rows], None if ctx.inside[i] else valid[rows], form,
-                    masks[i] if masks else None, rows, shift=ctx.shifts[i],
-                )  # fmt: skip
-            z, lc, g, m, j, d, p, e = ch.shape
-            d_t, d_c, d_vnb = ch.backward(grad_out[:, rows].reshape(p, n, d), form)
-            if grad_gl is not None:
-                grad_gl[:, rows] = d_c.view(p, j, m, g).sum(1).view(z, lc, m, g)
-            dq = torch.bmm(d_c.transpose(1, 2), ch.k_nb).view(z, lc, g, d)  # (Z, Lc, G, d)
-            if e:
-                dq[..., :e] += _spatial_grads(d_t, q[:, rows, :, :e], rho, form, rows, grad_rho)
-            grad_q[:, rows] = dq
-            d_knb = torch.bmm(d_c, ch.q)  # (P, JM, d)
-            idx = neighbour[rows].reshape(-1)
-            grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
-            grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
+
+        def run(indices: list[int]):
+            """Chunks ``indices``; returns this worker's sums of dk, dv, d_rho."""
+            grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+            grad_rho = None if rho is None else torch.zeros_like(rho)
+            for i in indices:
+                rows = chunks[i]
+                ch = ctx.kept[i] if ctx.kept else None
+                if ch is None:
+                    ch = _Chunk(
+                        q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
+                        rho, neighbour[rows], None if inside[i] else valid[rows], form,
+                        masks[i] if masks else None, rows, shift=shifts[i],
+                    )  # fmt: skip
+                z, lc, g, m, j, d, p, e = ch.shape
+                d_t, d_c, d_vnb = ch.backward(grad_out[:, rows].reshape(p, n, d), form)
+                if grad_gl is not None:
+                    grad_gl[:, rows] = d_c.view(p, j, m, g).sum(1).view(z, lc, m, g)
+                dq = torch.bmm(d_c.transpose(1, 2), ch.k_nb).view(z, lc, g, d)  # (Z, Lc, G, d)
+                if e:
+                    q_xy = q[:, rows, :, :e]
+                    dq[..., :e] += _spatial_grads(d_t, q_xy, rho, form, rows, grad_rho)
+                grad_q[:, rows] = dq
+                d_knb = torch.bmm(d_c, ch.q)  # (P, JM, d)
+                idx = neighbour[rows].reshape(-1)
+                grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
+                grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
+            return grad_k, grad_v, grad_rho
+
+        work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * neighbour.shape[1]
+        parts = _in_workers(run, len(chunks), q.device, work)
+        grad_k, grad_v, grad_rho = (
+            None if part[0] is None else sum(part[1:], part[0]) for part in zip(*parts, strict=True)
+        )
         ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
         return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 7
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+MIN_PARALLEL_WORK = 1 << 20  # logits per call below which threads cost more than they give
+
+
+def _in_workers(run, n_chunks: int, device, work: int) -> list:
+    """``run(indices)`` over interleaved groups of chunk indices, one group per CPU thread.
+
+    The chunks' operations are small, and intra-op threading pays an OpenMP barrier per
+    operation (expensive with passive waiting, ruinous with spinning on a busy machine).
+    On CPU, the chunks are instead shared among ``torch.get_num_threads()`` Python threads
+    whose operations run single-threaded (they release the GIL); on other devices, or with
+    one thread, or below ``MIN_PARALLEL_WORK`` logits (``work``), ``run`` sees every chunk in
+    order. Results are returned per group.
+    """
+    workers = min(torch.get_num_threads(), n_chunks) if device.type == "cpu" else 1
+    if work < MIN_PARALLEL_WORK:
+        workers = 1
+    if workers <= 1:
+        with torch.no_grad():
+            return [run(list(range(n_chunks)))]
+    groups = [list(range(n_chunks))[w::workers] for w in range(workers)]
+    pool = _POOLS.get(workers)
+    if pool is None:
+        pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="gsa-core")
+
+    def task(indices):
+        with torch.no_grad():  # grad mode is per thread
+            return run(indices)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ATen reads this process-wide; restored below
+    try:
+        return [f.result() for f in [pool.submit(task, idx) for idx in groups]]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def factorised_attention(

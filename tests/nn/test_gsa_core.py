@@ -113,3 +113,31 @@ def test_bad_arguments():
         factorised_attention(q, k, v, gl, rho, nb, valid, form="x", n=3, chunk=2)
     with pytest.raises(ValueError, match="dropout 1.0"):
         factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=1.0, chunk=2)
+
+
+@pytest.mark.parametrize("form", ["sum", "single"])
+def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
+    """Chunks shared among worker threads: same outputs, gradients and dropout masks."""
+    import symattn_cli.nn.gsa_core as core
+
+    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        torch.manual_seed(3)
+        out = factorised_attention(*leaves, nb, valid, form=form, n=3, drop=0.2, chunk=2)
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = run()
+        torch.set_num_threads(3)
+        monkeypatch.setattr(core, "MIN_PARALLEL_WORK", 0)
+        parallel = run()
+        assert torch.get_num_threads() == 3  # restored after the workers ran
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(serial, parallel, strict=True):
+        assert torch.allclose(a, b, atol=1e-13)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 from symattn_cli.cli import COMMANDS, main
 from tests.helpers import run_symattn, symattn_env
@@ -48,3 +49,29 @@ def test_bash_completion_knows_subcommands_and_config_groups(workdir, capsys):
         check=True,
     ).stdout
     assert "model=cnn" in out.split()
+
+
+def test_openmp_waits_passively_unless_told_otherwise():
+    """The dispatcher sets OMP_WAIT_POLICY before a command module can load torch."""
+    code = textwrap.dedent(
+        """
+        import importlib, os, sys
+        from symattn_cli import cli
+
+        class Probe:  # stands in for the command module
+            @staticmethod
+            def main():
+                torch_loaded = "torch" in sys.modules
+                print("SEEN", os.environ.get("OMP_WAIT_POLICY"), torch_loaded)
+
+        importlib.import_module = lambda name: Probe
+        cli.main(["train"])
+        """
+    )
+    env = symattn_env()
+    env.pop("OMP_WAIT_POLICY", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "SEEN PASSIVE False" in out.stdout, out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # an explicit setting wins
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "SEEN ACTIVE False" in out.stdout, out.stderr

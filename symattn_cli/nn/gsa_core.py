@@ -101,8 +101,9 @@ def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
     4-25 long axes here); returns logsumexp (keepdim).
 
     ``shift=False`` skips subtracting the maximum (two passes over the largest tensors) and
-    raises :class:`_Unstable` when a normaliser leaves the normal floating-point range; the
-    caller then recomputes with ``shift=True``. Both give the same softmax.
+    raises :class:`_Unstable` when a normaliser overflows or is so small that a weight above
+    rounding level (eps * normaliser) could be subnormal; the caller then recomputes with
+    ``shift=True``. Both give the same softmax.
     """
     top = None
     if shift:
@@ -112,7 +113,7 @@ def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
     total = x.sum(dim, keepdim=True)
     if not shift:
         info = torch.finfo(x.dtype)
-        if not bool(((total >= info.tiny) & (total <= info.max)).all()):
+        if not bool(((total >= info.tiny / info.eps) & (total <= info.max)).all()):
             raise _Unstable
     x.div_(total)
     lse = total.log_()

@@ -81,13 +81,26 @@ def test_matches_dense_softmax(form, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_logits_fall_back_to_shifted_softmax(dtype):
-    """Logits beyond exp's range: the unshifted fast path overflows, the shifted one is used."""
+@pytest.mark.parametrize("case", ["large", "very_negative"])
+def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case):
+    """exp of the raw logits overflows (large) or underflows (very negative group term): the
+    unshifted fast path detects it and the chunk is redone with maxima subtracted."""
     q, k, v, _, rho, nb, valid = _inputs()
     q, k, v, rho = (t.to(dtype) for t in (q, k, v, rho))
-    q = q * 400.0  # |logits| ~ 1e3: exp overflows in float32 and float64
-    out = factorised_attention(q, k, v, None, rho, nb, valid, form="sum", n=3, chunk=2)
-    ref = _dense(q.double(), k.double(), v.double(), None, rho.double(), nb, valid, "sum", 3)
+    group_logits, group_rho = None, None
+    if case == "large":
+        q = q * 400.0  # |logits| ~ 1e3: exp overflows in float32 and float64
+    else:  # every inner logit below -1000: exp underflows to zero
+        group_logits = torch.full((2, 5, 3, 3), -1000.0, dtype=dtype)
+    out = factorised_attention(q, k, v, group_logits, rho, nb, valid, form="sum", n=3, chunk=2)
+    if case != "large":  # the dense form adds the same constant inside its single softmax
+        q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+        k = torch.cat([k, torch.zeros_like(k[..., :1])], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
+        group_rho = torch.zeros(3, 3, 3, q.shape[-1] - rho.shape[-1], dtype=torch.float64)
+        group_rho[..., -1] = -1000.0  # times the ones channel of q
+        out = torch.cat([out, torch.zeros_like(out[..., :1])], dim=-1)
+    ref = _dense(q.double(), k.double(), v.double(), group_rho, rho.double(), nb, valid, "sum", 3)
     assert torch.isfinite(out).all()
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     assert torch.allclose(out.double(), ref, atol=tol * ref.abs().max())

@@ -13,19 +13,19 @@ mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
   CUDA: ``max_memory_allocated`` minus ``memory_allocated`` after ``reset_peak_memory_stats``;
 * FLOPs: the multiply-adds of matrix products and convolutions (``mm``, ``bmm``, ``einsum``,
   ``conv``; 2 FLOPs per multiply-add) of one step, counted by
-  ``torch.utils.flop_counter.FlopCounterMode`` with activation recomputation switched off, so
-  a checkpointed layer's recomputed forward is not counted twice. Element-wise work (exp,
-  softmax, norms) is not counted. Achieved FLOP/s is that count over the median time, and its
-  fraction of the matrix-multiply throughput measured by :func:`matmul_gflops` in the same
-  process just before the case.
+  ``torch.utils.flop_counter.FlopCounterMode`` with the attention's backward recomputation
+  switched off (``checkpointing=False``), so a recomputed forward is not counted twice.
+  Element-wise work (exp, softmax, norms) is not counted. Achieved FLOP/s is that count over
+  the median time, and its fraction of the matrix-multiply throughput measured by
+  :func:`matmul_gflops` in the same process just before the case.
 
 Modes: ``forward`` is inference (``eval()``, ``torch.no_grad()``); ``train`` is a training step
 (``train()``, forward + backward of a scalar loss, gradients dropped after each step).
 
 One-off runtime initialisation is not charged to a case: before the first baseline a tiny
-primer step (a convolution, a checkpointed backward) triggers the lazy imports and thread pools
-every process pays once; the first non-reentrant ``torch.utils.checkpoint`` call alone makes
-the RSS grow by ~150 MB of Python modules. That growth is reported as ``runtime_init_mb``.
+primer step (a convolution and a small group self-attention layer, forward and backward)
+triggers the lazy imports and thread pools every process pays once. That growth is reported as
+``runtime_init_mb``.
 
 Threads: on a CPU shared with other jobs, OpenMP threads that spin while waiting for a
 descheduled partner make every small parallel region slow (measured here: a GSA-Net step 12x
@@ -333,15 +333,18 @@ def matmul_gflops(*, size: int = 1024, repeats: int = 5, device: Any = None) -> 
 def prime_runtime(device: Any) -> float:
     """Pay the once-per-process costs (lazy imports, thread pools); returns the RSS growth."""
     import torch
-    from torch.utils.checkpoint import checkpoint
+
+    from symattn_cli.groups import get_group
+    from symattn_cli.nn.gsa import GroupSelfAttention
 
     before = _status_kb("VmRSS") * 1024
-    x = torch.randn(1, 2, 8, 8, device=device, requires_grad=True)
+    x = torch.randn(1, 2, 4, 6, 6, device=device, requires_grad=True)
+    layer = GroupSelfAttention(group=get_group("z4"), in_channels=2, out_channels=6, heads=1,
+                               patch_size=3).to(device)  # fmt: skip
     conv = torch.nn.Conv2d(2, 2, 3, padding=1).to(device)
-    out = checkpoint(lambda t: conv(t).softmax(-1) @ t.transpose(-1, -2), x, use_reentrant=False)
-    out.square().mean().backward()
+    (layer(x).square().mean() + conv(x[:, :, 0]).mean()).backward()
     with torch.no_grad():
-        conv(x)
+        conv(x[:, :, 0])
     return max(_status_kb("VmRSS") * 1024 - before, 0) / MB
 
 

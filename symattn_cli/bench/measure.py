@@ -300,16 +300,24 @@ def summarize_times(times: list[float], cpu: list[float] | None = None) -> dict[
 
 
 def count_flops(step: Callable[[], None], module: Any) -> int:
-    """Matrix-product and convolution FLOPs of one step, without activation recomputation."""
+    """Matrix-product and convolution FLOPs of one step, without activation recomputation.
+
+    Runs with one CPU thread: the counter sees only the calling thread's operations, and the
+    attention core otherwise shares its chunks among worker threads.
+    """
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     saved = {m: m.checkpointing for m in module.modules() if hasattr(m, "checkpointing")}
     for m in saved:
         m.checkpointing = False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         with FlopCounterMode(display=False) as counter:
             step()
     finally:
+        torch.set_num_threads(threads)
         for m, value in saved.items():
             m.checkpointing = value
     return int(counter.get_total_flops())

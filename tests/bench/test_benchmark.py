@@ -149,6 +149,28 @@ def test_measure_case_in_process_and_train_counts_more_flops():
     assert 2.0 < row["train_flops"] / row["forward_flops"] <= 3.0
 
 
+def test_flop_count_sees_the_attention_worker_threads():
+    """The counter sees one thread; the count must not depend on how many the core uses."""
+    import torch
+
+    from symattn_cli.bench.measure import build_case, count_flops
+
+    case = Case(kind="layer", name="gsa", group="r8", patch_size=5, image_size=12, batch=2)
+    module, x, loss = build_case(case, torch.device("cpu"))
+
+    def step():
+        loss(module(x)).backward()
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = count_flops(step, module)
+        torch.set_num_threads(2)  # enough work for the core's worker threads
+        assert count_flops(step, module) == serial > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_measure_fresh_runs_in_a_child_process():
     row = measure_fresh(TINY, Settings(repeats=1, warmup=0, threads=1, modes=("train",)))
     _check_row(row, modes=("train",))

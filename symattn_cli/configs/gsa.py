@@ -27,7 +27,7 @@ class GSANetConfig:
     pool_dropout: float = 0.0
     input_pool: int = 1  # average-pool the input by this factor first (CPU presets)
     checkpointing: bool = True  # recompute attention in the backward pass (memory)
-    chunk_elements: int = 262144  # largest per-chunk tensor of the attention (cache vs. overhead)
+    chunk_elements: int = 0  # numbers in the attention's largest chunk tensor; 0 = auto per device
     in_channels: int = 0  # 0 = from the data
     num_classes: int = 0  # 0 = from the data
 

@@ -125,7 +125,7 @@ class GSANet(nn.Module):
         pool_after_last_block: bool = False,
         input_pool: int = 1,
         checkpointing: bool = True,
-        chunk_elements: int = 1 << 18,
+        chunk_elements: int = 0,
         group_index: str = "relative",
         init_gain: float = 2**0.5,
     ) -> None:
@@ -235,7 +235,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         value_dropout=options.get("value_dropout", 0.1),
         input_pool=options.get("input_pool", 1),
         checkpointing=options.get("checkpointing", True),
-        chunk_elements=options.get("chunk_elements", 1 << 18),
+        chunk_elements=options.get("chunk_elements", 0),
         group_index=options.get("group_index", "relative"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )

@@ -109,6 +109,8 @@ def test_errors_for_people():
         GroupSelfAttention(group="z4", in_channels=2, out_channels=6, heads=1)
     with pytest.raises(ValueError, match="query_form"):
         GroupSelfAttention(group=g, in_channels=2, out_channels=6, heads=1, query_form="x")
+    with pytest.raises(ValueError, match="chunk_elements=-1"):
+        GroupSelfAttention(group=g, in_channels=2, out_channels=6, heads=1, chunk_elements=-1)
     layer = GroupSelfAttention(group=g, in_channels=2, out_channels=6, heads=1)
     with pytest.raises(ValueError, match="N=4"):
         layer(torch.randn(1, 2, 3, 5, 5))

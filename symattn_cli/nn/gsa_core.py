@@ -182,7 +182,7 @@ class _Chunk:
         if form == "single":
             w = self.w.view(p, 1, j, g, d)
             d_t = (w * go.view(p, 1, 1, g, d)).sum(-1).mul_(beta)  # (P, 1, J, G): beta d_beta
-            d_w = (beta[..., None] * go.view(p, 1, 1, g, d)).view(p, j * g, d)  # (P, JG, d)
+            d_w = (beta[..., None] * go.view(p, 1, 1, g, d)).reshape(p, j * g, d)  # (P, JG, d)
         else:
             if kk == 1:
                 go = go.sum(1, keepdim=True)  # (P, 1, d): every v had the same weights
@@ -267,6 +267,7 @@ class FactorisedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, group_logits, rho, neighbour, valid, *masks = ctx.saved_tensors
         form, n, chunks, inside, shifts = ctx.args
+        grad_out = grad_out.contiguous()  # (Z, L, V, d); it arrives permuted from W_out
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
 

@@ -154,3 +154,16 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
         torch.set_num_threads(threads)
     for a, b in zip(serial, parallel, strict=True):
         assert torch.allclose(a, b, atol=1e-13)
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES)
+def test_backward_takes_a_non_contiguous_output_gradient(form, shape):
+    """The layer's W_out hands back a permuted gradient; the result must not depend on it."""
+    q, k, v, gl, rho, nb, valid = _inputs(**shape)
+    q.requires_grad_()
+    out = factorised_attention(q, k, v, gl, rho, nb, valid, form=form, n=rho.shape[0], chunk=1)
+    z, n_q, n, d = out.shape
+    grad = torch.randn(z, d, n, n_q, dtype=out.dtype).permute(0, 3, 2, 1)  # as from W_out
+    (a,) = torch.autograd.grad(out, q, grad, retain_graph=True)
+    (b,) = torch.autograd.grad(out, q, grad.contiguous())
+    assert not grad.is_contiguous() and torch.equal(a, b)

@@ -26,6 +26,7 @@ class GSANetConfig:
     input_dropout: float = 0.0
     pool_dropout: float = 0.0
     input_pool: int = 1  # average-pool the input by this factor first (CPU presets)
+    norm: str = "layer"  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
     checkpointing: bool = True  # recompute attention in the backward pass (memory)
     chunk_elements: int = 0  # numbers in the attention's largest chunk tensor; 0 = auto per device
     in_channels: int = 0  # 0 = from the data

@@ -45,12 +45,26 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+NORMS = ("layer", "batch")
+
+
 def layer_norm(channels: int) -> nn.Module:
     """The reference's "LayerNorm": GroupNorm(1, C) over (C, N, H, W) of each sample.
 
     Statistics over the whole orbit, so it commutes with every L_g.
     """
     return nn.GroupNorm(1, channels)
+
+
+def make_norm(kind: str, channels: int) -> nn.Module:
+    """``"layer"``: :func:`layer_norm` (the reference's); ``"batch"``: BatchNorm3d, statistics
+    of each channel over (B, N, H, W). Both pool over whole orbits (every group element and
+    pixel), so both commute with every L_g, in training and in evaluation mode."""
+    if kind == "layer":
+        return layer_norm(channels)
+    if kind == "batch":
+        return nn.BatchNorm3d(channels)
+    raise ValueError(f"norm={kind!r}; choose one of {NORMS}")
 
 
 def crop(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -62,9 +76,9 @@ class GSABlock(nn.Module):
     """``a = drop(act(norm(SA(act(norm(x)))))); out = crop(a) + crop(shortcut(x));
     out = out + norm(conv(act(norm(conv(out)))))`` (the reference transformer block).
 
-    Equivariant: every piece commutes with L_g (the norm pools over the whole (C, N, H, W)
-    orbit, the crop is symmetric). The crop is applied inside the attention, so the norm after
-    it sees the cropped map (the reference normalises before cropping).
+    Equivariant: every piece commutes with L_g (the norm pools over whole orbits, see
+    :func:`make_norm`; the crop is symmetric). The crop is applied inside the attention, so
+    the norm after it sees the cropped map (the reference normalises before cropping).
     """
 
     def __init__(
@@ -75,21 +89,22 @@ class GSABlock(nn.Module):
         out_channels: int,
         crop_size: int = 0,
         value_dropout: float = 0.0,
+        norm: str = "layer",
     ) -> None:
         super().__init__()
         hidden = max(out_channels // 2, 1)
-        self.pre = nn.Sequential(layer_norm(in_channels), Swish())
+        self.pre = nn.Sequential(make_norm(norm, in_channels), Swish())
         self.attention = attention
-        self.post = nn.Sequential(layer_norm(out_channels), Swish(), nn.Dropout(value_dropout))
+        self.post = nn.Sequential(make_norm(norm, out_channels), Swish(), nn.Dropout(value_dropout))
         self.shortcut = (
             nn.Conv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
         )
         self.mlp = nn.Sequential(
             nn.Conv3d(out_channels, hidden, 1),
-            layer_norm(hidden),
+            make_norm(norm, hidden),
             Swish(),
             nn.Conv3d(hidden, out_channels, 1),
-            layer_norm(out_channels),
+            make_norm(norm, out_channels),
         )
         self.crop_size = crop_size
 
@@ -128,6 +143,7 @@ class GSANet(nn.Module):
         chunk_elements: int = 0,
         group_index: str = "relative",
         init_gain: float = 2**0.5,
+        norm: str = "layer",
     ) -> None:
         super().__init__()
         if len(expansion) != len(block_sizes):
@@ -152,7 +168,7 @@ class GSANet(nn.Module):
         self.input_pool = nn.AvgPool2d(input_pool) if input_pool > 1 else nn.Identity()
         self.input_dropout = nn.Dropout(input_dropout)
         self.lifting = attention(in_channels, channels, lifting=True)
-        self.lifting_norm = nn.Sequential(layer_norm(channels), Swish())
+        self.lifting_norm = nn.Sequential(make_norm(norm, channels), Swish())
         layers: list[nn.Module] = []
         width, layer_index = channels, 0
         for block, (size, factor) in enumerate(zip(block_sizes, expansion, strict=True)):
@@ -165,10 +181,11 @@ class GSANet(nn.Module):
                         out_channels=out,
                         crop_size=crops[layer_index],
                         value_dropout=value_dropout,
+                        norm=norm,
                     )
                 )
                 if norm_between_layers:
-                    layers += [layer_norm(out), Swish()]
+                    layers += [make_norm(norm, out), Swish()]
                 width, layer_index = out, layer_index + 1
             width = out
             if block < len(block_sizes) - 1 or pool_after_last_block:
@@ -237,5 +254,6 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         checkpointing=options.get("checkpointing", True),
         chunk_elements=options.get("chunk_elements", 0),
         group_index=options.get("group_index", "relative"),
+        norm=options.get("norm", "layer"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )

@@ -7,7 +7,7 @@ import torch
 
 import symattn_cli
 from symattn_cli.data.base import DataSpec
-from symattn_cli.models.gsa_net import build
+from symattn_cli.models.gsa_net import GSANet, build
 from symattn_cli.verify.gsa import layer_equivariance
 
 ROTMNIST = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist")
@@ -48,6 +48,29 @@ def test_network_logits_are_invariant(group, size):
 def test_block_is_equivariant(group):
     records = layer_equivariance(group, "block", image_size=7)
     assert max(r["max_rel"] for r in records) <= 1e-10
+
+
+@pytest.mark.parametrize("group", ["z4", "z4m"])
+def test_batch_norm_network_is_invariant_in_training_and_evaluation(group):
+    """norm="batch": each channel's statistics pool over (B, N, H, W), whole orbits."""
+    torch.manual_seed(0)
+    g = symattn_cli.get_group(group)
+    model = GSANet(
+        group=g, in_channels=1, num_classes=3, channels=6, heads=2, block_sizes=[1, 1],
+        expansion=[1, 2], crops=[1, 0], patch_size=3, attention_dropout=0.0, value_dropout=0.0,
+        norm="batch",
+    ).double()  # fmt: skip
+    assert any(isinstance(m, torch.nn.BatchNorm3d) for m in model.modules())
+    x = torch.rand(4, 1, 10, 10, dtype=torch.float64)
+    for training in (True, False):
+        model.train(training)
+        with torch.no_grad():
+            reference = model(x)
+            for e in range(g.order):
+                turned = model(g.act_on_image(e, x))
+                assert (turned - reference).abs().max() <= 1e-10 * reference.abs().max()
+    with pytest.raises(ValueError, match="norm"):
+        GSANet(group=g, in_channels=1, num_classes=3, norm="instance")
 
 
 def test_create_model_and_presets():

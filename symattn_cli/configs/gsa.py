@@ -29,6 +29,7 @@ class GSANetConfig:
     norm: str = "layer"  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
     checkpointing: bool = True  # recompute attention in the backward pass (memory)
     chunk_elements: int = 0  # numbers in the attention's largest chunk tensor; 0 = auto per device
+    attention_threads: int = 0  # CPU threads sharing the attention chunks; 0 = torch's count
     in_channels: int = 0  # 0 = from the data
     num_classes: int = 0  # 0 = from the data
 

@@ -32,6 +32,11 @@ Memory: the core keeps only q, k, v, the encodings and the dropout masks for the
 pass and recomputes each chunk of queries there (``checkpointing=True``, the default), so
 peak memory is one chunk's working set (``chunk_elements`` numbers in its largest tensor;
 0 = :data:`AUTO_CHUNK` for the device: cache-sized on CPU, large on GPUs).
+
+CPU threads: the chunks are shared among ``attention_threads`` Python threads whose
+operations run single-threaded (0 = torch's thread count, for large enough layers). Small
+models train fastest with one intra-op thread (``trainer.threads=1``) and two attention
+threads: the small operations outside the attention then pay no OpenMP barriers.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class GroupSelfAttention(nn.Module):
         group_index: str = "relative",
         checkpointing: bool = True,
         chunk_elements: int = 0,
+        attention_threads: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
@@ -94,6 +100,10 @@ class GroupSelfAttention(nn.Module):
             raise ValueError(f"position={position!r}; choose one of {POSITION_KINDS}")
         if chunk_elements < 0:
             raise ValueError(f"chunk_elements={chunk_elements} must be >= 0 (0 = automatic)")
+        if attention_threads < 0:
+            raise ValueError(
+                f"attention_threads={attention_threads} must be >= 0 (0 = torch's thread count)"
+            )
         self.group = group
         self.heads = heads
         self.head_dim = head_dim or max(out_channels // 2, 1)
@@ -104,6 +114,7 @@ class GroupSelfAttention(nn.Module):
         self.max_offset = max_offset
         self.checkpointing = checkpointing
         self.chunk_elements = chunk_elements
+        self.attention_threads = attention_threads
         d, inner = self.head_dim, heads * self.head_dim
 
         # 1x1 maps on (B, C, M, I), applied as Conv2d over the (M, I) axes.
@@ -223,7 +234,7 @@ class GroupSelfAttention(nn.Module):
         recompute = self.checkpointing and torch.is_grad_enabled()
         return factorised_attention(
             q, k, v, group_logits, rho_xy, neighbour, valid, form=self.query_form, n=n,
-            drop=drop, chunk=chunk, recompute=recompute,
+            drop=drop, chunk=chunk, recompute=recompute, threads=self.attention_threads,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ local (P x P)

@@ -46,6 +46,29 @@ import torch
 
 FORMS = ("sum", "single")
 
+# ATen multiplies batched matrices with contraction * rows * cols below this on a scalar loop.
+SCALAR_BMM_SIZE = 400
+PACKED_ROWS = 8  # tiny products are packed into block-diagonal matrices of at least this size
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` for ``a`` ``(n, r, c)``, with tiny CPU products packed.
+
+    The per-neighbour group products of small groups (4 x 4 by 4 x d for R4) fall on ATen's
+    scalar loop. Packing f consecutive ones as the diagonal blocks of one (f r) x (f c) matrix
+    (zeros elsewhere; b and the result are the same memory, viewed f at a time) sends them to
+    the BLAS path, which is 2-4x faster despite the f-fold wasted work. Exact: the extra terms
+    are products with zero.
+    """
+    n, r, c = a.shape
+    f = max(1, PACKED_ROWS // max(r, c))
+    if a.device.type != "cpu" or f == 1 or n % f or c * r * b.shape[2] >= SCALAR_BMM_SIZE:
+        return torch.bmm(a, b)
+    blocks = a.new_zeros(n // f, f, r, f, c)
+    blocks.diagonal(dim1=1, dim2=3).copy_(a.view(n // f, f, r, c).permute(0, 2, 3, 1))
+    packed = blocks.view(n // f, f * r, f * c)
+    return torch.bmm(packed, b.reshape(n // f, f * c, -1)).view(n, r, -1)
+
 
 def _spatial_logits(q_xy: torch.Tensor, rho: torch.Tensor, form: str, rows: slice):
     """s ``(P, K, J, G)`` (contiguous) from q_xy ``(Z, Lc, G, e)`` and rho ``(V, J, e)`` or
@@ -150,7 +173,7 @@ class _Chunk:
             self.pi = c
             self.pi_kept = c if keep is None else c * self.keep  # attention dropout
             pk = self.pi_kept.view(p * j, m, g).transpose(1, 2)  # (PJ, G, M)
-            w = torch.bmm(pk, self.v_nb.view(p * j, m, d))  # (PJ, G, d)
+            w = _bmm(pk, self.v_nb.view(p * j, m, d))  # (PJ, G, d)
         self.w = w.view(p, j * g, d)  # (P, JG, d)
         if e:
             t = _spatial_logits(q[..., :e], rho, form, rows)  # (P, K, J, G)
@@ -196,7 +219,7 @@ class _Chunk:
             return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
         d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
         d_pi = torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2))  # (PJ, M, G)
-        d_vnb = torch.bmm(self.pi_kept.view(p * j, m, g), d_w)  # (PJ, M, d)
+        d_vnb = _bmm(self.pi_kept.view(p * j, m, g), d_w)  # (PJ, M, d)
         if self.keep is not None:
             d_pi = d_pi.view(p, j, m, g).mul_(self.keep)
         # softmax and logsumexp over m: sum_m pi d_pi = d_w . w (the mask is inside w)
@@ -230,7 +253,7 @@ class FactorisedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group_logits, rho, neighbour, valid, form, n, drop, chunk,
-                recompute):  # fmt: skip
+                recompute, threads):  # fmt: skip
         z, n_q, g, d = q.shape
         m, j = k.shape[2], neighbour.shape[1]
         chunks = [slice(lo, min(lo + chunk, n_q)) for lo in range(0, n_q, chunk)]
@@ -256,9 +279,9 @@ class FactorisedAttention(torch.autograd.Function):
                 if not recompute:
                     kept[i] = ch
 
-        _in_workers(run, len(chunks), q.device, z * n_q * j * m * g)
+        _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
         ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid, *masks)
-        ctx.args = (form, n, chunks, inside, shifts)
+        ctx.args = (form, n, chunks, inside, shifts, threads)
         ctx.kept = kept if not recompute else []
         return out
 
@@ -266,7 +289,7 @@ class FactorisedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, group_logits, rho, neighbour, valid, *masks = ctx.saved_tensors
-        form, n, chunks, inside, shifts = ctx.args
+        form, n, chunks, inside, shifts, threads = ctx.args
         grad_out = grad_out.contiguous()  # (Z, L, V, d); it arrives permuted from W_out
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
@@ -300,31 +323,34 @@ class FactorisedAttention(torch.autograd.Function):
             return grad_k, grad_v, grad_rho
 
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * neighbour.shape[1]
-        parts = _in_workers(run, len(chunks), q.device, work)
+        parts = _in_workers(run, len(chunks), q.device, work, threads)
         grad_k, grad_v, grad_rho = (
             None if part[0] is None else sum(part[1:], part[0]) for part in zip(*parts, strict=True)
         )
         ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
-        return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 7
+        return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 8
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 MIN_PARALLEL_WORK = 1 << 20  # logits per call below which threads cost more than they give
 
 
-def _in_workers(run, n_chunks: int, device, work: int) -> list:
+def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list:
     """``run(indices)`` over interleaved groups of chunk indices, one group per CPU thread.
 
     The chunks' operations are small, and intra-op threading pays an OpenMP barrier per
     operation (expensive with passive waiting, ruinous with spinning on a busy machine).
-    On CPU, the chunks are instead shared among ``torch.get_num_threads()`` Python threads
-    whose operations run single-threaded (they release the GIL); on other devices, or with
-    one thread, or below ``MIN_PARALLEL_WORK`` logits (``work``), ``run`` sees every chunk in
-    order. Results are returned per group.
+    On CPU, the chunks are instead shared among ``threads`` Python threads whose operations
+    run single-threaded (they release the GIL). ``threads=0`` takes
+    ``torch.get_num_threads()``, and one thread below ``MIN_PARALLEL_WORK`` logits (``work``).
+    On other devices, or with one thread, ``run`` sees every chunk in order. Results are
+    returned per group.
     """
-    workers = min(torch.get_num_threads(), n_chunks) if device.type == "cpu" else 1
-    if work < MIN_PARALLEL_WORK:
-        workers = 1
+    if threads < 0:
+        raise ValueError(f"attention threads={threads} must be >= 0 (0 = torch's thread count)")
+    if threads == 0:
+        threads = torch.get_num_threads() if work >= MIN_PARALLEL_WORK else 1
+    workers = min(threads, n_chunks) if device.type == "cpu" else 1
     if workers <= 1:
         with torch.no_grad():
             return [run(list(range(n_chunks)))]
@@ -347,7 +373,7 @@ def _in_workers(run, n_chunks: int, device, work: int) -> list:
 
 def factorised_attention(
     q, k, v, group_logits, rho, neighbour, valid, *, form: str, n: int, drop: float = 0.0,
-    chunk: int, recompute: bool = True,
+    chunk: int, recompute: bool = True, threads: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Functional entry point of :class:`FactorisedAttention` (q already scaled by 1/sqrt(d)).
 
@@ -362,7 +388,19 @@ def factorised_attention(
     if drop > 0:
         v = v * (1.0 / (1.0 - drop))
     return FactorisedAttention.apply(
-        q, k, v, group_logits, rho, neighbour, valid, form, n, drop, max(int(chunk), 1), recompute
+        q,
+        k,
+        v,
+        group_logits,
+        rho,
+        neighbour,
+        valid,
+        form,
+        n,
+        drop,
+        max(int(chunk), 1),
+        recompute,
+        threads,
     )
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from symattn_cli.nn.gsa_core import (
     FactorisedAttention,
+    _bmm,
     _keep_mask,
     dense_attention,
     factorised_attention,
@@ -46,7 +49,7 @@ def test_gradcheck(form, shape, drop):
 
     def f(q, k, v, gl, rho):
         torch.manual_seed(0)  # the same dropout mask on every call
-        return FactorisedAttention.apply(q, k, v, gl, rho, nb, valid, form, n, drop, 2, True)
+        return FactorisedAttention.apply(q, k, v, gl, rho, nb, valid, form, n, drop, 2, True, 0)
 
     args = [t.requires_grad_() if t is not None else None for t in (q, k, v, gl, rho)]
     assert torch.autograd.gradcheck(f, args)
@@ -156,6 +159,45 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
         assert torch.allclose(a, b, atol=1e-13)
 
 
+def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
+    """``threads=3`` shares the chunks among three workers even with one torch thread (and
+    below MIN_PARALLEL_WORK); values and gradients equal the serial ones; negative is an error."""
+    import symattn_cli.nn.gsa_core as core
+
+    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+    names = []
+
+    def run(threads):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        torch.manual_seed(3)
+        out = factorised_attention(
+            *leaves, nb, valid, form="sum", n=3, drop=0.2, chunk=2, threads=threads
+        )
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    real_chunk = core._Chunk
+
+    def spy(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real_chunk(*args, **kwargs)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = run(1)
+        monkeypatch.setattr(core, "_Chunk", spy)
+        parallel = run(3)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert {n for n in names if n.startswith("gsa-core")}, names  # the workers ran the chunks
+    for a, b in zip(serial, parallel, strict=True):
+        assert torch.allclose(a, b, atol=1e-13)
+    with pytest.raises(ValueError, match="threads=-1"):
+        factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2, threads=-1)
+
+
 @pytest.mark.parametrize(("form", "shape"), CASES)
 def test_backward_takes_a_non_contiguous_output_gradient(form, shape):
     """The layer's W_out hands back a permuted gradient; the result must not depend on it."""
@@ -167,3 +209,19 @@ def test_backward_takes_a_non_contiguous_output_gradient(form, shape):
     (a,) = torch.autograd.grad(out, q, grad, retain_graph=True)
     (b,) = torch.autograd.grad(out, q, grad.contiguous())
     assert not grad.is_contiguous() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("n", "r", "c", "d", "transposed"),
+    [(12, 4, 4, 6, True), (12, 4, 4, 6, False), (11, 4, 4, 6, False), (8, 2, 2, 3, True),
+     (6, 3, 5, 2, False), (4, 8, 8, 8, False)],
+)  # fmt: skip
+def test_packed_small_products_equal_bmm(n, r, c, d, transposed):
+    """Tiny products packed into block-diagonal matrices give torch.bmm's result (odd batch
+    sizes and large products take torch.bmm itself)."""
+    gen = torch.Generator().manual_seed(n + r + c + d)
+    a = torch.randn(n, c, r, generator=gen, dtype=torch.float64).transpose(1, 2)
+    if not transposed:
+        a = a.contiguous()
+    b = torch.randn(n, c, d, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(_bmm(a, b), torch.bmm(a, b), rtol=1e-15, atol=1e-15)

@@ -11,6 +11,11 @@ from outside the frame are 0). The split is stratified by class — 70 % train, 
 validation, 20 % test, i.e. 3,500 / 500 / 1,000 — and shuffled, all fixed by ``split_seed``.
 Variants: ``rotated`` (every split rotated), ``upright`` (train and validation upright, test
 rotated: the same test images as ``rotated``), ``plain`` (nothing rotated). Values in [0, 1].
+
+``augment=true`` (variant ``rotated`` only) serves each training digit rotated by a fresh
+uniform angle every time it is drawn, from the upright digit (one interpolation, never a
+rotation of a rotation); the angles come from torch's global generator, which the trainer
+seeds and checkpoints. Validation and test images stay the fixed ones.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from symattn_cli.data.image_common import (
     classify_spec,
     generator,
     int_option,
+    option,
     rotate,
     subsample,
     uniform_angles,
@@ -94,8 +100,20 @@ def stratified_split(labels: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...
     return tuple(splits)
 
 
+def random_rotation(x: torch.Tensor) -> torch.Tensor:
+    """One image ``(C, H, W)`` rotated by an angle uniform on [0°, 360°)."""
+    angle = torch.rand(1, dtype=torch.float64) * 360
+    return rotate(x[None], angle)[0].clamp_(0.0, 1.0)
+
+
 def build(name: str, options: Mapping[str, Any]) -> DataBundle:
     variant = check_variant(name, options, VARIANTS, default="rotated")
+    augment = bool(option(options, "augment", False))
+    if augment and variant != "rotated":
+        raise DataError(
+            f"data.augment=true rotates training digits by fresh random angles, which would "
+            f"undo data.variant={variant!r}; use data.variant=rotated or data.augment=false"
+        )
     seed = int_option(options, "split_seed")
     digits, labels = read_mnist_5k()
     upright = digits.unsqueeze(1).float() / 255.0  # (N, 1, 28, 28)
@@ -114,7 +132,12 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
         keep = subsample(len(indices), requested, seed, split, f"data.num_{split}")
         if keep is not None:
             indices = indices[keep]
-        datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices])
+        if split == "train" and augment:  # fresh angles, from the upright digits
+            datasets[split] = ImageTensorDataset(
+                upright[indices], labels[indices], augment=random_rotation
+            )
+        else:
+            datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices])
 
     spec = classify_spec(options, 10, 1, IMAGE_SIZE, "rotmnist")
     return DataBundle(

@@ -96,6 +96,40 @@ def test_mini_rotation_is_applied(mini):
     assert asym_rot < 0.5 * asym
 
 
+def test_mini_augment_draws_fresh_angles_from_the_upright_digits(mini, monkeypatch):
+    """augment=true: each draw of a training digit is its upright image at a new angle (a
+    quarter turn of the upright digit when the angle is 90°); labels, validation and test
+    are untouched; the draws follow torch's seed."""
+    aug = build_data({"name": "rotmnist_mini", "split_seed": 0, "augment": True}, Path("x"))
+    plain = build_data({"name": "rotmnist_mini", "split_seed": 0, "variant": "plain"}, Path("x"))
+    assert torch.equal(aug.train.labels, mini.train.labels)
+    assert torch.equal(aug.train.images, plain.train.images)  # the upright source
+    for split in ("val", "test"):
+        assert torch.equal(getattr(aug, split).images, getattr(mini, split).images)
+        assert getattr(aug, split).augment is None
+    torch.manual_seed(5)
+    first = torch.stack([aug.train[i][0] for i in range(8)])
+    second = torch.stack([aug.train[i][0] for i in range(8)])
+    torch.manual_seed(5)
+    again = torch.stack([aug.train[i][0] for i in range(8)])
+    assert torch.equal(first, again)
+    assert (first - second).abs().flatten(1).amax(1).min() > 0.1  # a new angle every draw
+    assert first.min() >= 0.0 and first.max() <= 1.0
+    # The angle is applied to the upright digit: force 90° and compare with rot90.
+    import symattn_cli.data.rotmnist_mini as module
+
+    def quarter(*shape, dtype=None):
+        return torch.full(shape, 0.25, dtype=dtype)  # 0.25 * 360° = 90°
+
+    monkeypatch.setattr(module.torch, "rand", quarter)
+    turned = aug.train[0][0]
+    monkeypatch.undo()
+    expected = torch.rot90(plain.train.images[0], 1, dims=(-2, -1))
+    torch.testing.assert_close(turned, expected, atol=1e-5, rtol=0)
+    with pytest.raises(DataError, match="augment=true.*variant='upright'"):
+        build_data({"name": "rotmnist_mini", "variant": "upright", "augment": True}, Path("x"))
+
+
 def test_mini_subsample_and_bad_options():
     small = build_data(
         {"name": "rotmnist_mini", "num_train": 64, "num_val": 16, "num_test": 32}, Path("x")

@@ -111,8 +111,9 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
     augment = bool(option(options, "augment", False))
     if augment and variant != "rotated":
         raise DataError(
-            f"data.augment=true rotates training digits by fresh random angles, which would "
-            f"undo data.variant={variant!r}; use data.variant=rotated or data.augment=false"
+            f"data.variant={variant!r} keeps the training digits upright, but data.augment=true "
+            f"(the rotmnist_mini default) rotates them by fresh random angles; add "
+            f"data.augment=false"
         )
     seed = int_option(options, "split_seed")
     digits, labels = read_mnist_5k()

@@ -56,5 +56,12 @@ def test_cfg_job_prints_composed_config(workdir):
     # and two attention threads
     assert (cfg.model.family, cfg.model.group, cfg.model.heads) == ("gsa", "r4", 4)
     assert cfg.model.norm == "batch" and cfg.model.attention_threads == 2
-    assert cfg.data.name == "rotmnist_mini"
+    assert cfg.data.name == "rotmnist_mini" and cfg.data.augment  # fresh angles per draw
     assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (1, 16, 1e-2)
+
+
+def test_upright_digits_with_default_augmentation_name_the_fix(workdir):
+    """rotmnist_mini augments by default; asking for upright training digits says how to stop."""
+    result = run_symattn("train", "data.variant=upright", "logger.mode=disabled", cwd=workdir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "data.variant='upright'" in result.stderr and "data.augment=false" in result.stderr

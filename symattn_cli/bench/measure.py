@@ -309,8 +309,11 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     saved = {m: m.checkpointing for m in module.modules() if hasattr(m, "checkpointing")}
+    workers = {m: m.attention_threads for m in module.modules() if hasattr(m, "attention_threads")}
     for m in saved:
         m.checkpointing = False
+    for m in workers:
+        m.attention_threads = 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -320,6 +323,8 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
         torch.set_num_threads(threads)
         for m, value in saved.items():
             m.checkpointing = value
+        for m, value in workers.items():
+            m.attention_threads = value
     return int(counter.get_total_flops())
 
 
@@ -367,13 +372,18 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
     init_mb = prime_runtime(device)
     gemm = matmul_gflops(device=device)
     module, x, loss_fn = build_case(case, device)
+    from symattn_cli.nn.gsa import share_cpu_threads
+
+    budget = torch.get_num_threads()
+    if device.type == "cpu":  # attention models: the budget goes to their attention workers
+        share_cpu_threads(module, budget)
     memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()
     sync = _sync(device)
     row: dict[str, Any] = {
         "params": parameter_count(module),
         "gemm_gflops": gemm,
         "runtime_init_mb": init_mb,
-        "threads": torch.get_num_threads(),
+        "threads": budget,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "device": str(device),
     }

@@ -60,6 +60,7 @@ def train(cfg: Any) -> dict[str, float]:
 
     from symattn_cli.data.registry import build_data
     from symattn_cli.models.registry import build_model
+    from symattn_cli.nn.gsa import share_cpu_threads
     from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
     from symattn_cli.train.progress import Progress
     from symattn_cli.train.runfile import NullRunFile, RunFile, read_state
@@ -93,6 +94,8 @@ def train(cfg: Any) -> dict[str, float]:
     except ValueError as err:  # constructors validate their keyword arguments
         raise ConfigError(f"model: {err}") from None
     device = resolve_device(settings.device)
+    if device.type == "cpu":  # attention models: the budget goes to their attention workers
+        share_cpu_threads(model, settings.threads or torch.get_num_threads())
     names = metric_names(data.spec.task, data.extra_tests)
 
     if resume_path is not None:

@@ -26,7 +26,7 @@ class TrainSettings:
     grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
     amp: bool = False  # mixed precision; honoured on CUDA only
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    threads: int = 0  # CPU budget (GSA-Nets: attention threads, 1 intra-op); 0 = torch's default
     num_workers: int = 0
     max_steps_per_epoch: int = 0  # 0 = whole epoch; >0 truncates epochs (smoke tests)
     log_every_steps: int = 20  # per-step metrics every this many optimiser steps

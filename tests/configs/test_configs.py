@@ -52,12 +52,11 @@ def test_cfg_job_prints_composed_config(workdir):
     assert result.returncode == 0, result.stderr
     cfg = OmegaConf.create(result.stdout)
     assert cfg.seed == 3 and cfg.logger.mode == "offline"  # W&B default: no account needed
-    # the default run: the CPU-sized R4 GSA-Net on the bundled digits, one intra-op thread
-    # and two attention threads
+    # the default run: the CPU-sized R4 GSA-Net on the bundled digits, every core
     assert (cfg.model.family, cfg.model.group, cfg.model.heads) == ("gsa", "r4", 4)
-    assert cfg.model.norm == "batch" and cfg.model.attention_threads == 2
+    assert cfg.model.norm == "batch" and cfg.model.attention_threads == 0
     assert cfg.data.name == "rotmnist_mini" and cfg.data.augment  # fresh angles per draw
-    assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (1, 16, 1e-2)
+    assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (0, 16, 1e-2)
 
 
 def test_upright_digits_with_default_augmentation_name_the_fix(workdir):

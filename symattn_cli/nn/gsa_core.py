@@ -256,6 +256,8 @@ class FactorisedAttention(torch.autograd.Function):
                 recompute, threads):  # fmt: skip
         z, n_q, g, d = q.shape
         m, j = k.shape[2], neighbour.shape[1]
+        # Keep the chunks for the backward only if there will be one (inference keeps none).
+        keep_chunks = not recompute and any(ctx.needs_input_grad[:5])
         chunks = [slice(lo, min(lo + chunk, n_q)) for lo in range(0, n_q, chunk)]
         masks = []  # drawn here, in order, so that a seed fixes them whatever the workers do
         if drop > 0:
@@ -276,13 +278,13 @@ class FactorisedAttention(torch.autograd.Function):
                 except _Unstable:
                     ch, shifts[i] = _Chunk(*args, shift=True), True
                 out[:, rows] = ch.output(form, n).view(z, -1, n, d)
-                if not recompute:
+                if keep_chunks:
                     kept[i] = ch
 
         _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
         ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid, *masks)
         ctx.args = (form, n, chunks, inside, shifts, threads)
-        ctx.kept = kept if not recompute else []
+        ctx.kept = kept if keep_chunks else []
         return out
 
     @staticmethod

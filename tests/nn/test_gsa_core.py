@@ -225,3 +225,32 @@ def test_packed_small_products_equal_bmm(n, r, c, d, transposed):
         a = a.contiguous()
     b = torch.randn(n, c, d, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(_bmm(a, b), torch.bmm(a, b), rtol=1e-15, atol=1e-15)
+
+
+def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
+    """Without a backward to come, chunks are dropped as soon as their output is written (peak
+    memory: one chunk); with one and ``recompute=False`` every chunk is kept for it."""
+    import weakref
+
+    import symattn_cli.nn.gsa_core as core
+
+    q, k, v, gl, rho, nb, valid = _inputs(n_q=6)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    peak = [0]
+
+    class Counted(core._Chunk):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            alive.add(self)
+            peak[0] = max(peak[0], len(alive))
+
+    monkeypatch.setattr(core, "_Chunk", Counted)
+    args = dict(form="sum", n=3, chunk=1, recompute=False, threads=1)
+    with torch.no_grad():
+        factorised_attention(q, k, v, gl, rho, nb, valid, **args)
+    assert peak[0] <= 2  # the next chunk exists before the previous one is released
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+    out = factorised_attention(*leaves, nb, valid, **args)
+    assert len(alive) == 6  # one per query, for the backward
+    out.sum().backward()
+    assert len(alive) == 0

@@ -78,17 +78,21 @@ def test_foreign_resume_file_is_clear(workdir):
 
 
 KILL_ARGS = [*TINY_TRAIN, "data.num_train=320", "trainer.epochs=4", "trainer.log_every_steps=2"]
+# The default model at a small width: attention worker threads and augmented digits too.
+GSA_KILL_ARGS = [*(a for a in KILL_ARGS if not a.startswith("model")), "model=gsa_mini",
+                 "model.channels=8"]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir):
-    reference = run_symattn("train", *KILL_ARGS, f"hydra.run.dir={workdir / 'ref'}", cwd=workdir)
+@pytest.mark.parametrize("args", [KILL_ARGS, GSA_KILL_ARGS], ids=["cnn", "gsa_mini"])
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir, args):
+    reference = run_symattn("train", *args, f"hydra.run.dir={workdir / 'ref'}", cwd=workdir)
     assert reference.returncode == 0, reference.stderr
     expected = read_summary(workdir / "ref" / "run.h5")
 
     killed_dir = workdir / "killed"
     process = subprocess.Popen(
-        [sys.executable, "-m", "symattn_cli", "train", *KILL_ARGS, f"hydra.run.dir={killed_dir}"],
+        [sys.executable, "-m", "symattn_cli", "train", *args, f"hydra.run.dir={killed_dir}"],
         cwd=workdir,
         env=symattn_env(),
         stdout=subprocess.DEVNULL,

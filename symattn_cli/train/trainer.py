@@ -298,9 +298,16 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train the remaining epochs, then test the best weights once; return the summary."""
         s = self.settings
+        where = f"device {self.device}"
+        if self.device.type == "cpu":
+            where += f" (threads: {torch.get_num_threads()} intra-op"
+            attention = {getattr(m, "attention_threads", 0) for m in self.model.modules()} - {0}
+            if attention:
+                where += f" + {max(attention)} attention"
+            where += ")"
         self.progress.message(
             f"model: {type(self.model).__name__}, {count_parameters(self.model):,} parameters, "
-            f"device {self.device}, {len(self.data.train)} train / {len(self.data.val)} val / "
+            f"{where}, {len(self.data.train)} train / {len(self.data.val)} val / "
             f"{len(self.data.test)} test"
         )
         while self.epoch < s.epochs:

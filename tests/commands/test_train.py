@@ -88,6 +88,12 @@ GSA_KILL_ARGS = [*(a for a in KILL_ARGS if not a.startswith("model")), "model=gs
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir, args):
     reference = run_symattn("train", *args, f"hydra.run.dir={workdir / 'ref'}", cwd=workdir)
     assert reference.returncode == 0, reference.stderr
+    # the CPU budget (every core by default): a GSA-Net's goes to its attention threads
+    line = next(x for x in reference.stdout.splitlines() if x.startswith("model: "))
+    if "model=gsa_mini" in args:
+        assert "(threads: 1 intra-op + " in line and " attention)" in line, line
+    else:
+        assert "intra-op)" in line and "attention" not in line, line
     expected = read_summary(workdir / "ref" / "run.h5")
 
     killed_dir = workdir / "killed"

@@ -362,19 +362,33 @@ def prime_runtime(device: Any) -> float:
 
 
 def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
-    """Measure ``case`` in this process; returns one result row (see the module docstring)."""
+    """Measure ``case`` in this process; returns one result row (see the module docstring).
+
+    The process's torch thread count is restored afterwards: a GSA case spends its budget on
+    attention threads with one intra-op thread (:func:`~symattn_cli.nn.gsa.share_cpu_threads`),
+    and the next in-process case must start from the same budget.
+    """
     import torch
 
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
+    budget = torch.get_num_threads()
+    try:
+        return _measure(case, settings, budget)
+    finally:
+        torch.set_num_threads(budget)
+
+
+def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
+    import torch
+
+    from symattn_cli.nn.gsa import share_cpu_threads
+
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
     init_mb = prime_runtime(device)
     gemm = matmul_gflops(device=device)
     module, x, loss_fn = build_case(case, device)
-    from symattn_cli.nn.gsa import share_cpu_threads
-
-    budget = torch.get_num_threads()
     if device.type == "cpu":  # attention models: the budget goes to their attention workers
         share_cpu_threads(module, budget)
     memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()

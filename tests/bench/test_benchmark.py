@@ -149,6 +149,23 @@ def test_measure_case_in_process_and_train_counts_more_flops():
     assert 2.0 < row["train_flops"] / row["forward_flops"] <= 3.0
 
 
+def test_in_process_cases_keep_the_thread_budget():
+    """A GSA case spends the budget on attention threads (one intra-op thread while measured)
+    and hands it back: the next in-process case starts from the same budget."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        settings = Settings(repeats=1, warmup=0, threads=0, modes=("train",), count_flops=False)
+        first = measure_case(TINY, settings)
+        assert torch.get_num_threads() == 2
+        second = measure_case(TINY, settings)
+        assert first["threads"] == second["threads"] == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_flop_count_sees_the_attention_worker_threads():
     """The counter sees one thread; the count must not depend on how many the core uses."""
     import torch

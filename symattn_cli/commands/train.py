@@ -94,8 +94,8 @@ def train(cfg: Any) -> dict[str, float]:
     except ValueError as err:  # constructors validate their keyword arguments
         raise ConfigError(f"model: {err}") from None
     device = resolve_device(settings.device)
-    if device.type == "cpu":  # attention models: the budget goes to their attention workers
-        share_cpu_threads(model, settings.threads or torch.get_num_threads())
+    if device.type == "cpu":  # attention models: the budget (set above) goes to their workers
+        share_cpu_threads(model, torch.get_num_threads())
     names = metric_names(data.spec.task, data.extra_tests)
 
     if resume_path is not None:

@@ -121,8 +121,8 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
     rotated = rotate(upright, uniform_angles(len(digits), seed)) if variant != "plain" else upright
     rotated.clamp_(0.0, 1.0)  # bilinear weights are convex; this only trims rounding
 
-    sources = {
-        "train": rotated if variant == "rotated" else upright,
+    sources = {  # augment: fresh angles, from the upright digits
+        "train": rotated if variant == "rotated" and not augment else upright,
         "val": rotated if variant == "rotated" else upright,
         "test": rotated,
     }
@@ -133,12 +133,8 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
         keep = subsample(len(indices), requested, seed, split, f"data.num_{split}")
         if keep is not None:
             indices = indices[keep]
-        if split == "train" and augment:  # fresh angles, from the upright digits
-            datasets[split] = ImageTensorDataset(
-                upright[indices], labels[indices], augment=random_rotation
-            )
-        else:
-            datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices])
+        turn = random_rotation if augment and split == "train" else None
+        datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices], augment=turn)
 
     spec = classify_spec(options, 10, 1, IMAGE_SIZE, "rotmnist")
     return DataBundle(

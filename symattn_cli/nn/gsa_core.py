@@ -390,20 +390,9 @@ def factorised_attention(
     if drop > 0:
         v = v * (1.0 / (1.0 - drop))
     return FactorisedAttention.apply(
-        q,
-        k,
-        v,
-        group_logits,
-        rho,
-        neighbour,
-        valid,
-        form,
-        n,
-        drop,
-        max(int(chunk), 1),
-        recompute,
-        threads,
-    )
+        q, k, v, group_logits, rho, neighbour, valid, form, n, drop, max(int(chunk), 1),
+        recompute, threads,
+    )  # fmt: skip
 
 
 def dense_attention(q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: int,

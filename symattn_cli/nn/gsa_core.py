@@ -40,6 +40,7 @@ reference's v-dependent group index (a negative control) and as a test oracle.
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -51,23 +52,52 @@ SCALAR_BMM_SIZE = 400
 PACKED_ROWS = 8  # tiny products are packed into block-diagonal matrices of at least this size
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b)`` for ``a`` ``(n, r, c)``, with tiny CPU products packed.
+class _Packed:
+    """Tiny matrices ``a`` ``(n, r, c)`` (one per row of a chunk) for products ``a @ b`` and
+    ``a^T @ b`` with ``b`` ``(n, r or c, cols)``.
 
     The per-neighbour group products of small groups (4 x 4 by 4 x d for R4) fall on ATen's
-    scalar loop. Packing f consecutive ones as the diagonal blocks of one (f r) x (f c) matrix
-    (zeros elsewhere; b and the result are the same memory, viewed f at a time) sends them to
-    the BLAS path, which is 2-4x faster despite the f-fold wasted work. Exact: the extra terms
-    are products with zero.
+    scalar batched-matmul loop. Packing f consecutive ones as the diagonal blocks of one
+    (f r) x (f c) matrix (zeros elsewhere; b and the result are the same memory, viewed f at a
+    time) sends them to the BLAS path, which is 2-4x faster despite the f-fold wasted work.
+    Exact: the extra terms are products with zero. One packed copy serves both products (the
+    transpose of a block-diagonal matrix is block-diagonal). ``reuse=True`` packs into this
+    thread's workspace, whose zeros stay zero, so that only the diagonal is written; the
+    caller then drops this object before packing another in the same thread.
     """
-    n, r, c = a.shape
-    f = max(1, PACKED_ROWS // max(r, c))
-    if a.device.type != "cpu" or f == 1 or n % f or c * r * b.shape[2] >= SCALAR_BMM_SIZE:
-        return torch.bmm(a, b)
-    blocks = a.new_zeros(n // f, f, r, f, c)
-    blocks.diagonal(dim1=1, dim2=3).copy_(a.view(n // f, f, r, c).permute(0, 2, 3, 1))
-    packed = blocks.view(n // f, f * r, f * c)
-    return torch.bmm(packed, b.reshape(n // f, f * c, -1)).view(n, r, -1)
+
+    def __init__(self, a: torch.Tensor, cols: int, reuse: bool) -> None:
+        n, r, c = a.shape
+        f = max(1, PACKED_ROWS // max(r, c))
+        self.a, self.f = a, f
+        if a.device.type != "cpu" or f == 1 or n % f or c * r * cols >= SCALAR_BMM_SIZE:
+            self.f = 1
+            return
+        shape = (n // f, f, r, f, c)
+        blocks = _workspace_zeros(shape, a) if reuse else a.new_zeros(shape)
+        blocks.diagonal(dim1=1, dim2=3).copy_(a.view(n // f, f, r, c).permute(0, 2, 3, 1))
+        self.a = blocks.view(n // f, f * r, f * c)
+
+    def bmm(self, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        """``a @ b`` (or ``a^T @ b``), ``(n, r or c, cols)``."""
+        a = self.a.transpose(1, 2) if transpose else self.a
+        if self.f == 1:
+            return torch.bmm(a, b)
+        n, rows = b.shape[0], b.shape[1]
+        out = torch.bmm(a, b.reshape(n // self.f, self.f * rows, -1))
+        return out.view(n, out.shape[1] // self.f, -1)
+
+
+_LOCAL = threading.local()
+
+
+def _workspace_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """This thread's zero-initialised packing buffer of ``shape`` (kept until another shape
+    is asked for): chunks of one layer reuse it instead of allocating and zeroing it."""
+    buf = getattr(_LOCAL, "blocks", None)
+    if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+        buf = _LOCAL.blocks = like.new_zeros(shape)
+    return buf
 
 
 def _spatial_logits(q_xy: torch.Tensor, rho: torch.Tensor, form: str, rows: slice):
@@ -119,9 +149,46 @@ class _Unstable(Exception):
     """exp of unshifted logits overflowed or underflowed: redo the chunk with shifts."""
 
 
-def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
-    """In-place softmax over a short axis (faster on CPU than ``torch.softmax`` for the
-    4-25 long axes here); returns logsumexp (keepdim).
+# Sums and broadcasts over a middle axis of length a with a short contiguous inner axis b
+# (the softmaxes here: a = M or J, b = G) run on a slow strided loop in ATen: (252, 25, 4, 4)
+# summed over its third axis takes 115 us on one core. As a product with a 0/1 matrix
+# (``kron(ones(a, 1), eye(b))``) the same sum is one GEMM and takes 31 us; the broadcast
+# multiply (147 us) becomes a GEMM and a contiguous multiply (32 us). Worth it for b <= 4
+# (for b = 8 the GEMM sum is still 20% faster, the broadcast is not; above, ATen wins).
+GEMM_SUM_MAX = 8  # inner lengths b summed through a 0/1 matrix
+GEMM_SCALE_MAX = 4  # inner lengths b broadcast through a 0/1 matrix
+_SEGMENTS: dict[tuple, torch.Tensor] = {}
+
+
+def _segments(a: int, b: int, like: torch.Tensor) -> torch.Tensor:
+    """``(a * b, b)``: a stacked ``b x b`` identities, cached per shape, dtype and device."""
+    key = (a, b, like.dtype, like.device)
+    table = _SEGMENTS.get(key)
+    if table is None:
+        table = _SEGMENTS[key] = torch.eye(b, dtype=like.dtype, device=like.device).repeat(a, 1)
+    return table
+
+
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(R, a, b)`` contiguous -> its sum over a, ``(R, b)``."""
+    r, a, b = x.shape
+    if not 1 < b <= GEMM_SUM_MAX or x.device.type != "cpu":
+        return x.sum(1)
+    return x.view(r, a * b) @ _segments(a, b, x)
+
+
+def _segment_expand(y: torch.Tensor, a: int) -> torch.Tensor:
+    """``y`` ``(R, b)`` repeated over a new middle axis: ``(R, a, b)`` (contiguous for short b,
+    else a broadcast view)."""
+    r, b = y.shape
+    if not 1 < b <= GEMM_SCALE_MAX or y.device.type != "cpu":
+        return y.unsqueeze(1).expand(r, a, b)
+    return (y @ _segments(a, b, y).T).view(r, a, b)
+
+
+def _softmax_(x: torch.Tensor, shift: bool) -> torch.Tensor:
+    """In-place softmax of a contiguous ``(R, a, b)`` over its middle axis (faster on CPU
+    than ``torch.softmax`` for the 4-25 long axes here); returns the logsumexp ``(R, b)``.
 
     ``shift=False`` skips subtracting the maximum (two passes over the largest tensors) and
     raises :class:`_Unstable` when a normaliser overflows or is so small that a weight above
@@ -130,15 +197,16 @@ def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
     """
     top = None
     if shift:
-        top = x.amax(dim, keepdim=True)
-        x.sub_(top)
+        top = x.amax(1)  # (R, b)
+        x.sub_(top.unsqueeze(1))
     x.exp_()
-    total = x.sum(dim, keepdim=True)
+    total = _segment_sum(x)  # (R, b)
     if not shift:
         info = torch.finfo(x.dtype)
-        if not bool(((total >= info.tiny / info.eps) & (total <= info.max)).all()):
+        low, high = torch.aminmax(total)  # NaN fails both tests
+        if not (low.item() >= info.tiny / info.eps and high.item() <= info.max):
             raise _Unstable
-    x.div_(total)
+    x.mul_(_segment_expand(total.reciprocal(), x.shape[1]))
     lse = total.log_()
     return lse if top is None else lse.add_(top)
 
@@ -146,12 +214,15 @@ def _softmax_(x: torch.Tensor, dim: int, shift: bool) -> torch.Tensor:
 class _Chunk:
     """The forward quantities of one chunk of queries (recomputed in the backward).
 
-    ``keep``: the dropout keep mask ``(P, J, M, G)`` (bool; multiplying by it as a float is
-    the fastest way to apply it on CPU) or None; v is pre-scaled by 1 / (1 - p).
-    With one key and one query element per point (lifting), pi = 1 and is not stored.
+    ``drop``, ``seed``: attention dropout drops entries of pi with probability ``drop``, by
+    a mask drawn from ``seed`` (the same mask when the chunk is recomputed); v is pre-scaled
+    by 1 / (1 - drop). With one key and one query element per point (lifting), pi = 1 and is
+    not stored. ``reuse``: pack into this thread's workspace (the chunk does not outlive the
+    next one built in this thread).
     """
 
-    def __init__(self, q, k, v, group_logits, rho, nb, valid, form, keep, rows, shift):
+    def __init__(self, q, k, v, group_logits, rho, nb, valid, form, drop, seed, rows, shift,
+                 reuse):  # fmt: skip
         z, lc, g, d = q.shape
         m, j = k.shape[2], nb.shape[1]
         p = z * lc
@@ -160,30 +231,32 @@ class _Chunk:
         self.q = q.reshape(p, g, d)  # (P, G, d)
         self.k_nb = k.index_select(1, idx).view(p, j * m, d)  # (P, JM, d)
         self.v_nb = v.index_select(1, idx).view(p, j * m, d)  # (P, JM, d)
-        self.keep = None if keep is None else keep.to(q.dtype)  # (P, J, M, G)
+        self.keep = None if not drop else _keep_mask((p, j, m, g), drop, q, seed)
         c = torch.bmm(self.k_nb, self.q.transpose(1, 2)).view(p, j, m, g)  # (P, J, M, G)
         if group_logits is not None:
             c += group_logits.reshape(p, 1, m, g)
         if m == 1 and g == 1:  # lifting: the inner softmax is over one element
             self.pi = self.pi_kept = None
-            lse = c.view(p, 1, j, 1)
-            w = self.v_nb if keep is None else self.v_nb * self.keep.view(p, j, 1)  # (P, J, d)
+            lse = c.view(p, j, 1)
+            self.packed = None
+            w = self.v_nb if not drop else self.v_nb * self.keep.view(p, j, 1)  # (P, J, d)
         else:
-            lse = _softmax_(c, dim=2, shift=shift)  # (P, J, 1, G); c is now pi
+            lse = _softmax_(c.view(p * j, m, g), shift).view(p, j, g)  # c is now pi
             self.pi = c
-            self.pi_kept = c if keep is None else c * self.keep  # attention dropout
-            pk = self.pi_kept.view(p * j, m, g).transpose(1, 2)  # (PJ, G, M)
-            w = _bmm(pk, self.v_nb.view(p * j, m, d))  # (PJ, G, d)
+            kept = c if not drop else c * self.keep  # attention dropout
+            self.packed = _Packed(kept.view(p * j, m, g).transpose(1, 2), d, reuse)  # (PJ, G, M)
+            w = self.packed.bmm(self.v_nb.view(p * j, m, d))  # (PJ, G, d)
         self.w = w.view(p, j * g, d)  # (P, JG, d)
+        if valid is not None:  # neighbours outside the image take no weight: -inf logits
+            hidden = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)  # (Lc, J)
+            hidden.masked_fill_(~valid, -math.inf)
+            lse = (lse.view(z, lc, j, g) + hidden[None, :, :, None]).view(p, j, g)
         if e:
             t = _spatial_logits(q[..., :e], rho, form, rows)  # (P, K, J, G)
             t.add_(lse.view(p, 1, j, g))
         else:
             t = lse.reshape(p, 1, j, g).clone()  # (P, 1, J, G)
-        if valid is not None:  # neighbours outside the image take no weight
-            tz = t.view(z, lc, *t.shape[1:])  # (Z, Lc, K, J, G)
-            tz.masked_fill_(~valid[None, :, None, :, None], -math.inf)
-        _softmax_(t, dim=2, shift=shift)
+        _softmax_(t.view(-1, j, g), shift)
         self.beta = t  # (P, K, J, G): outer softmax over j
         self.shape = (z, lc, g, m, j, d, p, e)
 
@@ -212,33 +285,37 @@ class _Chunk:
             d_t = torch.bmm(go, self.w.transpose(1, 2)).view(p, kk, j, g).mul_(beta)
             d_w = torch.bmm(beta.view(p, kk, j * g).transpose(1, 2), go)  # (P, JG, d)
         # softmax over j: d_t = beta * (d_beta - sum_j beta d_beta)
-        d_t.addcmul_(beta, d_t.sum(2, keepdim=True), value=-1.0)  # (P, K, J, G)
+        total = _segment_expand(_segment_sum(d_t.view(p * kk, j, g)), j)  # (PK, J, G)
+        d_t.view(p * kk, j, g).addcmul_(beta.view(p * kk, j, g), total, value=-1.0)
         d_lse = d_t.sum(1)  # (P, J, G)
         if self.pi is None:  # lifting: pi = 1, d_c = d_lse
             d_vnb = d_w if self.keep is None else d_w * self.keep.view(p, j, 1)
             return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
         d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
         d_pi = torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2))  # (PJ, M, G)
-        d_vnb = _bmm(self.pi_kept.view(p * j, m, g), d_w)  # (PJ, M, d)
+        d_vnb = self.packed.bmm(d_w, transpose=True)  # (PJ, M, d)
         if self.keep is not None:
-            d_pi = d_pi.view(p, j, m, g).mul_(self.keep)
-        # softmax and logsumexp over m: sum_m pi d_pi = d_w . w (the mask is inside w)
-        corr = (d_w * self.w.view(p * j, g, d)).sum(-1).view(p, j, 1, g)  # (P, J, 1, G)
-        corr.sub_(d_lse.view(p, j, 1, g))
-        d_c = d_pi.view(p, j, m, g).sub_(corr).mul_(self.pi)  # (P, J, M, G)
+            d_pi.mul_(self.keep.view(p * j, m, g))
+        # softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)
+        d_c = d_pi.mul_(self.pi.view(p * j, m, g))  # (PJ, M, G): pi d_pi
+        corr = _segment_sum(d_c).sub_(d_lse.view(p * j, g))  # (PJ, G)
+        d_c.addcmul_(self.pi.view(p * j, m, g), _segment_expand(corr, m), value=-1.0)
         return d_t, d_c.view(p, j * m, g), d_vnb.view(p, j * m, d)
 
 
 DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
 
 
-def _keep_mask(shape, p: float, device) -> torch.Tensor:
-    """Bool mask, False with probability ``p`` (a multiple of 2^-15): 15 random bits per entry,
-    four entries per 64-bit draw (a quarter of the cost of ``torch.rand``)."""
+def _keep_mask(shape, p: float, like: torch.Tensor, seed: int) -> torch.Tensor:
+    """Keep mask of ``like``'s dtype and device, 0 with probability ``p`` (a multiple of
+    2^-15) and 1 otherwise, drawn from ``seed``: 15 random bits per entry, four entries per
+    64-bit draw (a quarter of the cost of ``torch.rand``)."""
     n = math.prod(shape)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()  # [0, 2^63)
+    gen = torch.Generator(device=like.device).manual_seed(seed)
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device)
+    bits.random_(generator=gen)  # uniform on [0, 2^63)
     u15 = bits.view(torch.int16)[:n].view(shape) & (DROP_STEPS - 1)  # uniform on [0, 2^15)
-    return u15 >= round(p * DROP_STEPS)
+    return torch.ge(u15, round(p * DROP_STEPS), out=like.new_empty(shape))
 
 
 class FactorisedAttention(torch.autograd.Function):
@@ -259,9 +336,9 @@ class FactorisedAttention(torch.autograd.Function):
         # Keep the chunks for the backward only if there will be one (inference keeps none).
         keep_chunks = not recompute and any(ctx.needs_input_grad[:5])
         chunks = [slice(lo, min(lo + chunk, n_q)) for lo in range(0, n_q, chunk)]
-        masks = []  # drawn here, in order, so that a seed fixes them whatever the workers do
-        if drop > 0:
-            masks = [_keep_mask((z * (r.stop - r.start), j, m, g), drop, q.device) for r in chunks]
+        # One dropout seed per chunk, drawn here in order so that torch's seed fixes the masks
+        # whatever the workers do; the backward redraws each mask from its seed.
+        seeds = torch.randint(1 << 62, (len(chunks),)).tolist() if drop > 0 else [0] * len(chunks)
         inside = [valid is None or bool(valid[r].all()) for r in chunks]
         out = q.new_empty(z, n_q, n, d)
         shifts: list[bool] = [False] * len(chunks)
@@ -271,27 +348,27 @@ class FactorisedAttention(torch.autograd.Function):
             for i in indices:
                 rows = chunks[i]
                 args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                        rho, neighbour[rows], None if inside[i] else valid[rows], form,
-                        masks[i] if masks else None, rows)  # fmt: skip
+                        rho, neighbour[rows], None if inside[i] else valid[rows], form, drop,
+                        seeds[i], rows)  # fmt: skip
                 try:
-                    ch = _Chunk(*args, shift=False)
+                    ch = _Chunk(*args, shift=False, reuse=not keep_chunks)
                 except _Unstable:
-                    ch, shifts[i] = _Chunk(*args, shift=True), True
+                    ch, shifts[i] = _Chunk(*args, shift=True, reuse=not keep_chunks), True
                 out[:, rows] = ch.output(form, n).view(z, -1, n, d)
                 if keep_chunks:
                     kept[i] = ch
 
         _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
-        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid, *masks)
-        ctx.args = (form, n, chunks, inside, shifts, threads)
+        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid)
+        ctx.args = (form, n, drop, chunks, seeds, inside, shifts, threads)
         ctx.kept = kept if keep_chunks else []
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, group_logits, rho, neighbour, valid, *masks = ctx.saved_tensors
-        form, n, chunks, inside, shifts, threads = ctx.args
+        q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
+        form, n, drop, chunks, seeds, inside, shifts, threads = ctx.args
         grad_out = grad_out.contiguous()  # (Z, L, V, d); it arrives permuted from W_out
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
@@ -306,8 +383,8 @@ class FactorisedAttention(torch.autograd.Function):
                 if ch is None:
                     ch = _Chunk(
                         q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                        rho, neighbour[rows], None if inside[i] else valid[rows], form,
-                        masks[i] if masks else None, rows, shift=shifts[i],
+                        rho, neighbour[rows], None if inside[i] else valid[rows], form, drop,
+                        seeds[i], rows, shift=shifts[i], reuse=True,
                     )  # fmt: skip
                 z, lc, g, m, j, d, p, e = ch.shape
                 d_t, d_c, d_vnb = ch.backward(grad_out[:, rows].reshape(p, n, d), form)
@@ -326,11 +403,16 @@ class FactorisedAttention(torch.autograd.Function):
 
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * neighbour.shape[1]
         parts = _in_workers(run, len(chunks), q.device, work, threads)
-        grad_k, grad_v, grad_rho = (
-            None if part[0] is None else sum(part[1:], part[0]) for part in zip(*parts, strict=True)
-        )
+        grad_k, grad_v, grad_rho = (_sum_(*part) for part in zip(*parts, strict=True))
         ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
         return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 8
+
+
+def _sum_(first: torch.Tensor | None, *rest: torch.Tensor) -> torch.Tensor | None:
+    """The workers' partial sums, added into the first."""
+    for part in rest:
+        first.add_(part)
+    return first
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

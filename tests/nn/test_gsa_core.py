@@ -9,8 +9,8 @@ import torch
 
 from symattn_cli.nn.gsa_core import (
     FactorisedAttention,
-    _bmm,
     _keep_mask,
+    _Packed,
     dense_attention,
     factorised_attention,
 )
@@ -110,9 +110,9 @@ def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case):
 
 
 def test_dropout_rate_and_identity_without_dropout():
-    keep = _keep_mask((1000, 1000), 0.1, "cpu")
+    keep = _keep_mask((1000, 1000), 0.1, torch.empty(0), seed=3)
     assert abs(1.0 - keep.double().mean().item() - 0.1) < 2e-3  # 1e6 draws: std 3e-4
-    assert _keep_mask((10,), 0.0, "cpu").all()
+    assert _keep_mask((10,), 0.0, torch.empty(0), seed=3).bool().all()
     q, k, v, gl, rho, nb, valid = _inputs()
     torch.manual_seed(1)
     a = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
@@ -212,19 +212,28 @@ def test_backward_takes_a_non_contiguous_output_gradient(form, shape):
 
 
 @pytest.mark.parametrize(
-    ("n", "r", "c", "d", "transposed"),
+    ("n", "r", "c", "d", "strided"),
     [(12, 4, 4, 6, True), (12, 4, 4, 6, False), (11, 4, 4, 6, False), (8, 2, 2, 3, True),
      (6, 3, 5, 2, False), (4, 8, 8, 8, False)],
 )  # fmt: skip
-def test_packed_small_products_equal_bmm(n, r, c, d, transposed):
-    """Tiny products packed into block-diagonal matrices give torch.bmm's result (odd batch
+@pytest.mark.parametrize("reuse", [False, True])
+def test_packed_small_products_equal_bmm(n, r, c, d, strided, reuse):
+    """Tiny products packed into block-diagonal matrices give torch.bmm's result, for a and
+    its transpose, also when the thread's workspace already held other blocks (odd batch
     sizes and large products take torch.bmm itself)."""
     gen = torch.Generator().manual_seed(n + r + c + d)
-    a = torch.randn(n, c, r, generator=gen, dtype=torch.float64).transpose(1, 2)
-    if not transposed:
-        a = a.contiguous()
-    b = torch.randn(n, c, d, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(_bmm(a, b), torch.bmm(a, b), rtol=1e-15, atol=1e-15)
+    for _ in range(2):  # the second round packs into the first round's workspace
+        a = torch.randn(n, c, r, generator=gen, dtype=torch.float64).transpose(1, 2)
+        if not strided:
+            a = a.contiguous()
+        b = torch.randn(n, c, d, generator=gen, dtype=torch.float64)
+        b_t = torch.randn(n, r, d, generator=gen, dtype=torch.float64)
+        packed = _Packed(a, d, reuse)
+        torch.testing.assert_close(packed.bmm(b), torch.bmm(a, b), rtol=1e-15, atol=1e-15)
+        expected = torch.bmm(a.transpose(1, 2), b_t)
+        torch.testing.assert_close(
+            packed.bmm(b_t, transpose=True), expected, rtol=1e-15, atol=1e-15
+        )
 
 
 def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):

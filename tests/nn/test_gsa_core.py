@@ -11,6 +11,7 @@ from symattn_cli.nn.gsa_core import (
     FactorisedAttention,
     _keep_mask,
     _Packed,
+    _Scratch,
     dense_attention,
     factorised_attention,
 )
@@ -110,9 +111,9 @@ def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case):
 
 
 def test_dropout_rate_and_identity_without_dropout():
-    keep = _keep_mask((1000, 1000), 0.1, torch.empty(0), seed=3)
+    keep = _keep_mask((1000, 1000), 0.1, 3, _Scratch(torch.empty(0), reuse=False))
     assert abs(1.0 - keep.double().mean().item() - 0.1) < 2e-3  # 1e6 draws: std 3e-4
-    assert _keep_mask((10,), 0.0, torch.empty(0), seed=3).bool().all()
+    assert _keep_mask((10,), 0.0, 3, _Scratch(torch.empty(0), reuse=True)).bool().all()
     q, k, v, gl, rho, nb, valid = _inputs()
     torch.manual_seed(1)
     a = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
@@ -160,8 +161,9 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
 
 
 def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
-    """``threads=3`` shares the chunks among three workers even with one torch thread (and
-    below MIN_PARALLEL_WORK); values and gradients equal the serial ones; negative is an error."""
+    """``threads=3`` shares the chunks among three threads (the caller and two pool workers)
+    even with one torch thread (and below MIN_PARALLEL_WORK); values and gradients equal the
+    serial ones; negative is an error."""
     import symattn_cli.nn.gsa_core as core
 
     q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
@@ -191,7 +193,9 @@ def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
-    assert {n for n in names if n.startswith("gsa-core")}, names  # the workers ran the chunks
+    # three threads ran the chunks: this one and two pool workers
+    assert len(set(names)) == 3 and threading.current_thread().name in names, names
+    assert sum(n.startswith("gsa-core") for n in set(names)) == 2, names
     for a, b in zip(serial, parallel, strict=True):
         assert torch.allclose(a, b, atol=1e-13)
     with pytest.raises(ValueError, match="threads=-1"):
@@ -228,12 +232,12 @@ def test_packed_small_products_equal_bmm(n, r, c, d, strided, reuse):
             a = a.contiguous()
         b = torch.randn(n, c, d, generator=gen, dtype=torch.float64)
         b_t = torch.randn(n, r, d, generator=gen, dtype=torch.float64)
-        packed = _Packed(a, d, reuse)
-        torch.testing.assert_close(packed.bmm(b), torch.bmm(a, b), rtol=1e-15, atol=1e-15)
+        packed = _Packed(a, d, _Scratch(a, reuse))
+        result = packed.bmm(b, torch.empty(n, r, d, dtype=a.dtype))
+        torch.testing.assert_close(result, torch.bmm(a, b), rtol=1e-15, atol=1e-15)
+        result = packed.bmm(b_t, torch.empty(n, c, d, dtype=a.dtype), transpose=True)
         expected = torch.bmm(a.transpose(1, 2), b_t)
-        torch.testing.assert_close(
-            packed.bmm(b_t, transpose=True), expected, rtol=1e-15, atol=1e-15
-        )
+        torch.testing.assert_close(result, expected, rtol=1e-15, atol=1e-15)
 
 
 def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):

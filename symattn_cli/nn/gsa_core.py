@@ -165,7 +165,7 @@ def _spatial_grads(ds, q_xy, rho, form: str, rows: slice, grad_rho, scratch) -> 
             table = rho.reshape(1, v * j, e).expand(z * lc, v * j, e)  # (P, VJ, e)
             dq = torch.bmm(ds.transpose(1, 2), table)  # (P, G, e)
             q2 = q_xy.reshape(z * lc * g, e)  # (PG, e)
-            ds_t = scratch.empty("ds_t", v * j, z * lc, g)
+            ds_t = scratch.empty("expand", v * j, z * lc, g)  # the softmaxes are done with it
             ds_t.copy_(ds.transpose(0, 1))  # (VJ, P, G)
             grad_rho += (ds_t.view(v * j, -1) @ q2).view(v, j, e)
             return dq.view(z, lc, g, e)
@@ -339,9 +339,10 @@ class _Chunk:
             d_vnb = d_w if self.keep is None else d_w * self.keep.view(p, j, 1)
             return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
         d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
-        d_pi = self.scratch.empty("d_pi", p * j, m, g)  # (PJ, M, G)
+        d_pi = self.scratch.empty("kept", p * j, m, g)  # (PJ, M, G); packed: kept is free
         torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2), out=d_pi)
-        d_vnb = self.packed.bmm(d_w, self.scratch.empty("d_vnb", p * j, m, d), transpose=True)
+        d_vnb = self.scratch.empty("w", p * j, m, d)  # (PJ, M, d); d_t has used w
+        self.packed.bmm(d_w, d_vnb, transpose=True)
         if self.keep is not None:
             d_pi.mul_(self.keep.view(p * j, m, g))
         # softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)
@@ -444,7 +445,8 @@ class FactorisedAttention(torch.autograd.Function):
                     q_xy = q[:, rows, :, :e]
                     dq[..., :e] += _spatial_grads(d_t, q_xy, rho, form, rows, grad_rho, ch.scratch)
                 grad_q[:, rows] = dq
-                d_knb = torch.bmm(d_c, ch.q, out=ch.scratch.empty("d_knb", p, j * m, d))
+                d_knb = ch.scratch.empty("k_nb", p, j * m, d)  # dq has used k_nb
+                torch.bmm(d_c, ch.q, out=d_knb)
                 idx = neighbour[rows].reshape(-1)
                 grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
                 grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))

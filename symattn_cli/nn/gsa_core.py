@@ -389,7 +389,8 @@ class FactorisedAttention(torch.autograd.Function):
         # whatever the workers do; the backward redraws each mask from its seed.
         seeds = torch.randint(1 << 62, (len(chunks),)).tolist() if drop > 0 else [0] * len(chunks)
         inside = [valid is None or bool(valid[r].all()) for r in chunks]
-        out = q.new_empty(z, n_q, n, d)
+        # Stored as (Z, d, V, L): the layer's W_out reads it as (B, h d, V, L) without a copy.
+        out = q.new_empty(z, d, n, n_q).permute(0, 3, 2, 1)  # (Z, L, V, d)
         shifts: list[bool] = [False] * len(chunks)
         kept: list[_Chunk | None] = [None] * len(chunks)
 
@@ -419,13 +420,24 @@ class FactorisedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
         form, n, drop, chunks, seeds, inside, shifts, threads = ctx.args
-        grad_out = grad_out.contiguous()  # (Z, L, V, d); it arrives permuted from W_out
+        # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
 
         def run(indices: list[int]):
-            """Chunks ``indices``; returns this worker's sums of dk, dv, d_rho."""
-            grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+            """Chunks ``indices`` (consecutive); returns the first key row this worker's dk and
+            dv start at, them, and its sum of d_rho. The worker with the first chunk (the
+            calling thread) adds into grad_k and grad_v themselves; the others into the band
+            of key rows their queries reach, added in afterwards (in a fixed order: the
+            gradients do not depend on timing)."""
+            lo = 0
+            dk, dv = grad_k, grad_v
+            if indices[0] > 0:
+                reached = neighbour[chunks[indices[0]].start : chunks[indices[-1]].stop]
+                lo, hi = int(reached.min()), int(reached.max()) + 1
+                dk = k.new_zeros(k.shape[0], hi - lo, *k.shape[2:])
+                dv = torch.zeros_like(dk)
             grad_rho = None if rho is None else torch.zeros_like(rho)
             for i in indices:
                 rows = chunks[i]
@@ -448,13 +460,18 @@ class FactorisedAttention(torch.autograd.Function):
                 d_knb = ch.scratch.empty("k_nb", p, j * m, d)  # dq has used k_nb
                 torch.bmm(d_c, ch.q, out=d_knb)
                 idx = neighbour[rows].reshape(-1)
-                grad_k.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
-                grad_v.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
-            return grad_k, grad_v, grad_rho
+                if lo:
+                    idx = idx - lo
+                dk.index_add_(1, idx, d_knb.view(z, lc * j, m, d))
+                dv.index_add_(1, idx, d_vnb.view(z, lc * j, m, d))
+            return lo, dk, dv, grad_rho
 
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * neighbour.shape[1]
         parts = _in_workers(run, len(chunks), q.device, work, threads)
-        grad_k, grad_v, grad_rho = (_sum_(*part) for part in zip(*parts, strict=True))
+        for lo, dk, dv, _ in parts[1:]:
+            grad_k[:, lo : lo + dk.shape[1]] += dk
+            grad_v[:, lo : lo + dv.shape[1]] += dv
+        grad_rho = _sum_(*(part[3] for part in parts))
         ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
         return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 8
 
@@ -471,7 +488,7 @@ MIN_PARALLEL_WORK = 1 << 20  # logits per call below which threads cost more tha
 
 
 def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list:
-    """``run(indices)`` over interleaved groups of chunk indices, one group per CPU thread.
+    """``run(indices)`` over consecutive groups of chunk indices, one group per CPU thread.
 
     The chunks' operations are small, and intra-op threading pays an OpenMP barrier per
     operation (expensive with passive waiting, ruinous with spinning on a busy machine).
@@ -490,7 +507,8 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
     if workers <= 1:
         with torch.no_grad():
             return [run(list(range(n_chunks)))]
-    groups = [list(range(n_chunks))[w::workers] for w in range(workers)]
+    bounds = [n_chunks * w // workers for w in range(workers + 1)]
+    groups = [list(range(bounds[w], bounds[w + 1])) for w in range(workers)]
     pool = _POOLS.get(workers - 1)
     if pool is None:
         pool = _POOLS[workers - 1] = ThreadPoolExecutor(workers - 1, thread_name_prefix="gsa-core")

@@ -267,3 +267,25 @@ def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
     assert len(alive) == 6  # one per query, for the backward
     out.sum().backward()
     assert len(alive) == 0
+
+
+def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out():
+    """A second forward and backward allocates no new chunk buffers (the scratch only grows
+    to the largest chunk, then is reused), and the output is stored as (Z, d, V, L)."""
+    import symattn_cli.nn.gsa_core as core
+
+    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+    args = dict(form="sum", n=3, drop=0.2, chunk=2, threads=1)
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        out = factorised_attention(*leaves, nb, valid, **args)
+        out.square().sum().backward()
+        return out
+
+    out = step()
+    assert out.permute(0, 3, 2, 1).is_contiguous()  # (Z, L, V, d) viewed from (Z, d, V, L)
+    buffers = {key: buf.data_ptr() for key, buf in core._LOCAL.scratch.items()}
+    assert {"k_nb", "v_nb", "c", "w", "t", "keep"} <= {key[0] for key in buffers}
+    step()
+    assert {key: buf.data_ptr() for key, buf in core._LOCAL.scratch.items()} == buffers

@@ -28,10 +28,12 @@ element (g = v) the outer softmax has K = 1 row per g.
 Layouts are chosen so that the big contractions are batched products over P with J*M or J*G
 rows (content, values, dq, dk), and only the per-neighbour (M x G) products are small.
 
-:class:`FactorisedAttention` runs this over chunks of queries and saves only q, k, v, the
-encodings and the dropout masks for the backward pass, where each chunk is recomputed and
-differentiated by hand: peak memory is one chunk's working set, whatever the image size.
-Attention dropout drops entries of pi (shared by every v).
+:class:`FactorisedAttention` runs this over chunks of queries and saves only q, k, v and the
+encodings for the backward pass, where each chunk is recomputed and differentiated by hand:
+peak memory is one chunk's working set, whatever the image size. Attention dropout drops
+entries of pi (shared by every v); each chunk's mask is drawn from a seed, and drawn again in
+the backward. On CPU a chunk's tensors live in per-thread scratch buffers (:class:`_Scratch`)
+and the chunks are shared among threads (:func:`_in_workers`).
 
 :func:`dense_attention` is the reference algorithm (full logits, autograd), kept for the
 reference's v-dependent group index (a negative control) and as a test oracle.

@@ -303,10 +303,14 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
     """Matrix-product and convolution FLOPs of one step, without activation recomputation.
 
     Runs with one CPU thread: the counter sees only the calling thread's operations, and the
-    attention core otherwise shares its chunks among worker threads.
+    attention core otherwise shares its chunks among worker threads. The core's small-product
+    packing and its sums through 0/1 matrices are off while counting (``plain_products``):
+    their extra multiplications by 0 and 1 are not the model's arithmetic.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    from symattn_cli.nn.gsa_core import plain_products
 
     saved = {m: m.checkpointing for m in module.modules() if hasattr(m, "checkpointing")}
     workers = {m: m.attention_threads for m in module.modules() if hasattr(m, "attention_threads")}
@@ -317,7 +321,7 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with FlopCounterMode(display=False) as counter:
+        with plain_products(), FlopCounterMode(display=False) as counter:
             step()
     finally:
         torch.set_num_threads(threads)

@@ -41,6 +41,7 @@ reference's v-dependent group index (a negative control) and as a test oracle.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,20 @@ class _Packed:
 
 
 _LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def plain_products():
+    """Within: no packed products and no sums through 0/1 matrices (the same values), so that
+    a FLOP counter counts the algorithm's arithmetic, not the zeros of the packed blocks or
+    additions done as matrix products. Not thread-safe: for measurements on one thread."""
+    global PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX
+    saved = PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX
+    PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX = 1, 0, 0
+    try:
+        yield
+    finally:
+        PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX = saved
 
 
 class _Scratch:

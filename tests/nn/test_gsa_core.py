@@ -289,3 +289,26 @@ def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out():
     assert {"k_nb", "v_nb", "c", "w", "t", "keep"} <= {key[0] for key in buffers}
     step()
     assert {key: buf.data_ptr() for key, buf in core._LOCAL.scratch.items()} == buffers
+
+
+def test_plain_products_give_the_same_values_and_restore_the_settings():
+    """Packing and 0/1-matrix sums are implementation choices: switching them off (as the FLOP
+    counter does) changes no value or gradient beyond rounding."""
+    import symattn_cli.nn.gsa_core as core
+
+    q, k, v, gl, rho, nb, valid = _inputs(n_q=9, g=4, m=4, n=4, j=6)  # packed: 4 x 4 blocks
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        out = factorised_attention(*leaves, nb, valid, form="sum", n=4, chunk=3, threads=1)
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    settings = (core.PACKED_ROWS, core.GEMM_SUM_MAX, core.GEMM_SCALE_MAX)
+    fast = run()
+    with core.plain_products():
+        assert (core.PACKED_ROWS, core.GEMM_SUM_MAX, core.GEMM_SCALE_MAX) == (1, 0, 0)
+        plain = run()
+    assert (core.PACKED_ROWS, core.GEMM_SUM_MAX, core.GEMM_SCALE_MAX) == settings
+    for a, b in zip(fast, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -119,33 +119,38 @@ class _Scratch:
 
     def __init__(self, like: torch.Tensor, reuse: bool) -> None:
         self.like = like
-        self.store = None
+        self.buffers = self.views = None
         if reuse and like.device.type == "cpu":
-            self.store = getattr(_LOCAL, "scratch", None)
-            if self.store is None:
-                self.store = _LOCAL.scratch = {}
+            local = getattr(_LOCAL, "scratch", None)
+            if local is None:
+                local = _LOCAL.scratch = ({}, {})
+            self.buffers, self.views = local
 
     def empty(self, name: str, *shape: int) -> torch.Tensor:
-        if self.store is None:
-            return self.like.new_empty(shape)
-        n = math.prod(shape)
-        key = (name, self.like.dtype, self.like.device)
-        buf = self.store.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self.store[key] = self.like.new_empty(n)
-        return buf[:n].view(shape)
+        return self._get(name, shape, zeros=False)
 
     def zeros(self, name: str, *shape: int) -> torch.Tensor:
         """Zeros when created; later calls with the same trailing shape return the buffer as
         the last user left it (the packing writes only where it wrote before)."""
-        if self.store is None:
-            return self.like.new_zeros(shape)
+        return self._get(name, shape, zeros=True)
+
+    def _get(self, name: str, shape: tuple[int, ...], zeros: bool) -> torch.Tensor:
+        if self.buffers is None:
+            return self.like.new_zeros(shape) if zeros else self.like.new_empty(shape)
+        base = (name, shape[1:] if zeros else (), self.like.dtype, self.like.device)
+        # The view of each shape is kept too: chunks repeat their shapes, and every tensor
+        # call saved is one hold of the GIL less for the other attention threads to wait on.
+        view = self.views.get((base, shape))
+        if view is not None:
+            return view
         n = math.prod(shape)
-        key = (name, shape[1:], self.like.dtype, self.like.device)
-        buf = self.store.get(key)
+        buf = self.buffers.get(base)
         if buf is None or buf.numel() < n:
-            buf = self.store[key] = self.like.new_zeros(n)
-        return buf[:n].view(shape)
+            buf = self.buffers[base] = self.like.new_zeros(n) if zeros else self.like.new_empty(n)
+            for key in [key for key in self.views if key[0] == base]:
+                del self.views[key]  # views of the buffer just replaced
+        view = self.views[base, shape] = buf[:n].view(shape)
+        return view
 
 
 def _spatial_logits(q_xy: torch.Tensor, rho: torch.Tensor, form: str, rows: slice, scratch):

@@ -285,10 +285,10 @@ def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out():
 
     out = step()
     assert out.permute(0, 3, 2, 1).is_contiguous()  # (Z, L, V, d) viewed from (Z, d, V, L)
-    buffers = {key: buf.data_ptr() for key, buf in core._LOCAL.scratch.items()}
+    buffers = {key: buf.data_ptr() for key, buf in core._LOCAL.scratch[0].items()}
     assert {"k_nb", "v_nb", "c", "w", "t", "keep"} <= {key[0] for key in buffers}
     step()
-    assert {key: buf.data_ptr() for key, buf in core._LOCAL.scratch.items()} == buffers
+    assert {key: buf.data_ptr() for key, buf in core._LOCAL.scratch[0].items()} == buffers
 
 
 def test_plain_products_give_the_same_values_and_restore_the_settings():

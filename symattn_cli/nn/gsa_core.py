@@ -159,14 +159,18 @@ def _spatial_logits(q_xy: torch.Tensor, rho: torch.Tensor, form: str, rows: slic
     z, lc, g, e = q_xy.shape
     if rho.dim() == 3:  # local: one table for every query
         v, j = rho.shape[:2]
-        if form == "sum":
-            table = rho.reshape(1, v * j, e).expand(z * lc, v * j, e)  # (P, VJ, e), no copy
-            q_t = q_xy.reshape(z * lc, g, e).transpose(1, 2)
+        if form == "sum":  # one GEMM (PG, e) x (e, VJ) for the chunk
+            p, table = z * lc, rho.reshape(v * j, e)  # (VJ, e)
+            q2 = q_xy.reshape(p * g, e)  # (PG, e)
             if scratch is None:  # under autograd (the dense algorithm)
-                s = torch.bmm(table, q_t)  # (P, VJ, G)
-            else:
-                s = torch.bmm(table, q_t, out=scratch.empty("t", z * lc, v * j, g))
-            return s.view(z * lc, v, j, g)  # (P, V, J, G)
+                return (q2 @ table.T).view(p, g, v, j).permute(0, 2, 3, 1).contiguous()
+            s = scratch.empty("t", p, v * j, g)  # (P, VJ, G)
+            if g == 1:
+                torch.mm(q2, table.T, out=s.view(p, v * j))
+            else:  # the GEMM's (P, G, VJ), transposed (the softmax broadcast is free now)
+                pgv = torch.mm(q2, table.T, out=scratch.empty("expand", p * g, v * j))
+                s.copy_(pgv.view(p, g, v * j).transpose(1, 2))
+            return s.view(p, v, j, g)  # (P, V, J, G)
         s = torch.einsum("zlge,gje->zljg", q_xy, rho)  # (Z, Lc, J, G): v = g
         return s.reshape(z * lc, 1, j, g).contiguous()  # (P, 1, J, G)
     r = rho[:, rows]  # (V, Lc, J, e): global, one table per query
@@ -182,15 +186,17 @@ def _spatial_grads(ds, q_xy, rho, form: str, rows: slice, grad_rho, scratch) -> 
     z, lc, g, e = q_xy.shape
     if rho.dim() == 3:
         v, j = rho.shape[:2]
-        if form == "sum":
-            ds = ds.view(z * lc, v * j, g)  # (P, VJ, G)
-            table = rho.reshape(1, v * j, e).expand(z * lc, v * j, e)  # (P, VJ, e)
-            dq = torch.bmm(ds.transpose(1, 2), table)  # (P, G, e)
-            q2 = q_xy.reshape(z * lc * g, e)  # (PG, e)
-            ds_t = scratch.empty("expand", v * j, z * lc, g)  # the softmaxes are done with it
-            ds_t.copy_(ds.transpose(0, 1))  # (VJ, P, G)
-            grad_rho += (ds_t.view(v * j, -1) @ q2).view(v, j, e)
-            return dq.view(z, lc, g, e)
+        if form == "sum":  # two GEMMs over the chunk, with ds as (PG, VJ)
+            p, table = z * lc, rho.reshape(v * j, e)  # (VJ, e)
+            q2 = q_xy.reshape(p * g, e)  # (PG, e)
+            if g == 1:
+                dsg = ds.reshape(p, v * j)
+            else:  # the softmaxes are done with the broadcast buffer
+                dsg = scratch.empty("expand", p, g, v * j)
+                dsg.copy_(ds.view(p, v * j, g).transpose(1, 2))
+                dsg = dsg.view(p * g, v * j)
+            grad_rho += (dsg.T @ q2).view(v, j, e)
+            return (dsg @ table).view(z, lc, g, e)
         ds = ds.view(z, lc, -1, g)  # (Z, Lc, J, G)
         grad_rho += torch.einsum("zljg,zlge->gje", ds, q_xy)
         return torch.einsum("zljg,gje->zlge", ds, rho)

@@ -28,8 +28,8 @@ Two query forms:
   ``"single"``: one query per output element, g = v: N times cheaper, same law.
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
-Memory: the core keeps only q, k, v, the encodings and the dropout masks for the backward
-pass and recomputes each chunk of queries there (``checkpointing=True``, the default), so
+Memory: the core keeps only q, k, v and the encodings for the backward pass (dropout masks
+are redrawn from per-chunk seeds) and recomputes each chunk of queries there (``checkpointing=True``, the default), so
 peak memory is one chunk's working set (``chunk_elements`` numbers in its largest tensor;
 0 = :data:`AUTO_CHUNK` for the device: cache-sized on CPU, large on GPUs).
 

@@ -305,7 +305,7 @@ class _Chunk:
         if group_logits is not None:
             c += group_logits.reshape(p, 1, m, g)
         if m == 1 and g == 1:  # lifting: the inner softmax is over one element
-            self.pi = self.pi_kept = None
+            self.pi = None
             lse = c.view(p, j, 1)
             self.packed = None
             w = self.v_nb  # (P, J, d)

@@ -29,9 +29,10 @@ Two query forms:
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
 Memory: the core keeps only q, k, v and the encodings for the backward pass (dropout masks
-are redrawn from per-chunk seeds) and recomputes each chunk of queries there (``checkpointing=True``, the default), so
-peak memory is one chunk's working set (``chunk_elements`` numbers in its largest tensor;
-0 = :data:`AUTO_CHUNK` for the device: cache-sized on CPU, large on GPUs).
+are redrawn from per-chunk seeds) and recomputes each chunk of queries there
+(``checkpointing=True``, the default), so peak memory is one chunk's working set
+(``chunk_elements`` numbers in its largest tensor; 0 = :data:`AUTO_CHUNK` for the device:
+cache-sized on CPU, large on GPUs).
 
 CPU threads: the chunks are shared among ``attention_threads`` Python threads whose
 operations run single-threaded (0 = torch's thread count, for large enough layers). The

@@ -283,10 +283,11 @@ class _Chunk:
     ``drop``, ``seed``: attention dropout drops entries of pi with probability ``drop``, by
     a mask drawn from ``seed`` (the same mask when the chunk is recomputed; the 1 / (1 - drop)
     rescaling is the caller's). With one key and one query element per point (lifting), pi = 1
-    and is not stored. Its tensors live in ``scratch`` (:class:`_Scratch`).
+    and is not stored. ``hidden``: the chunk's ``(Lc, J)`` offsets from :func:`_hidden`, or
+    None. Its tensors live in ``scratch`` (:class:`_Scratch`).
     """
 
-    def __init__(self, q, k, v, group_logits, rho, nb, valid, form, drop, seed, rows, shift,
+    def __init__(self, q, k, v, group_logits, rho, nb, hidden, form, drop, seed, rows, shift,
                  scratch):  # fmt: skip
         z, lc, g, d = q.shape
         m, j = k.shape[2], nb.shape[1]
@@ -320,9 +321,7 @@ class _Chunk:
             self.packed = _Packed(kept.view(p * j, m, g).transpose(1, 2), d, scratch)  # (PJ,G,M)
             w = self.packed.bmm(self.v_nb.view(p * j, m, d), scratch.empty("w", p * j, g, d))
         self.w = w.view(p, j * g, d)  # (P, JG, d)
-        if valid is not None:  # neighbours outside the image take no weight: -inf logits
-            hidden = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)  # (Lc, J)
-            hidden.masked_fill_(~valid, -math.inf)
+        if hidden is not None:  # neighbours outside the image take no weight: -inf logits
             lse = (lse.view(z, lc, j, g) + hidden[None, :, :, None]).view(p, j, g)
         if e:
             t = _spatial_logits(q[..., :e], rho, form, rows, scratch)  # (P, K, J, G)
@@ -380,6 +379,17 @@ class _Chunk:
         return d_t, d_c.view(p, j * m, g), d_vnb.view(p, j * m, d)
 
 
+def _hidden(valid: torch.Tensor | None, chunks: list[slice], dtype) -> list:
+    """Per chunk, the ``(Lc, J)`` logit offsets that hide neighbours outside the image (0 or
+    -inf), or None where every neighbour of the chunk is inside; built once per call, for the
+    forward and for the backward's recomputation."""
+    if valid is None:
+        return [None] * len(chunks)
+    offsets = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    offsets.masked_fill_(~valid, -math.inf)
+    return [None if bool(valid[rows].all()) else offsets[rows] for rows in chunks]
+
+
 DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
 
 
@@ -416,7 +426,7 @@ class FactorisedAttention(torch.autograd.Function):
         # One dropout seed per chunk, drawn here in order so that torch's seed fixes the masks
         # whatever the workers do; the backward redraws each mask from its seed.
         seeds = torch.randint(1 << 62, (len(chunks),)).tolist() if drop > 0 else [0] * len(chunks)
-        inside = [valid is None or bool(valid[r].all()) for r in chunks]
+        hidden = _hidden(valid, chunks, q.dtype)
         # Stored as (Z, d, V, L): the layer's W_out reads it as (B, h d, V, L) without a copy.
         out = q.new_empty(z, d, n, n_q).permute(0, 3, 2, 1)  # (Z, L, V, d)
         shifts: list[bool] = [False] * len(chunks)
@@ -426,7 +436,7 @@ class FactorisedAttention(torch.autograd.Function):
             for i in indices:
                 rows = chunks[i]
                 args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                        rho, neighbour[rows], None if inside[i] else valid[rows], form, drop,
+                        rho, neighbour[rows], hidden[i], form, drop,
                         seeds[i], rows)  # fmt: skip
                 scratch = _Scratch(q, reuse=not keep_chunks)
                 try:
@@ -439,7 +449,7 @@ class FactorisedAttention(torch.autograd.Function):
 
         _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
         ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid)
-        ctx.args = (form, n, drop, chunks, seeds, inside, shifts, threads)
+        ctx.args = (form, n, drop, chunks, seeds, shifts, threads)
         ctx.kept = kept if keep_chunks else []
         return out
 
@@ -447,7 +457,8 @@ class FactorisedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
-        form, n, drop, chunks, seeds, inside, shifts, threads = ctx.args
+        form, n, drop, chunks, seeds, shifts, threads = ctx.args
+        hidden = _hidden(valid, chunks, q.dtype)
         # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
@@ -473,7 +484,7 @@ class FactorisedAttention(torch.autograd.Function):
                 if ch is None:
                     ch = _Chunk(
                         q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
-                        rho, neighbour[rows], None if inside[i] else valid[rows], form, drop,
+                        rho, neighbour[rows], hidden[i], form, drop,
                         seeds[i], rows, shift=shifts[i], scratch=_Scratch(q, reuse=True),
                     )  # fmt: skip
                 z, lc, g, m, j, d, p, e = ch.shape
@@ -522,8 +533,8 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
     operation (expensive with passive waiting, ruinous with spinning on a busy machine).
     On CPU, the chunks are instead shared among ``threads`` Python threads (the calling one
     and ``threads - 1`` pool workers) whose operations run single-threaded (they release the
-    GIL). ``threads=0`` takes
-    ``torch.get_num_threads()``, and one thread below ``MIN_PARALLEL_WORK`` logits (``work``).
+    GIL). ``threads=0`` takes ``torch.get_num_threads()``, and one thread below
+    ``MIN_PARALLEL_WORK`` logits (``work``).
     On other devices, or with one thread, ``run`` sees every chunk in order. Results are
     returned per group.
     """

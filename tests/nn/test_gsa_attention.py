@@ -114,3 +114,15 @@ def test_errors_for_people():
     layer = GroupSelfAttention(group=g, in_channels=2, out_channels=6, heads=1)
     with pytest.raises(ValueError, match="N=4"):
         layer(torch.randn(1, 2, 3, 5, 5))
+
+
+def test_swish_is_x_times_sigmoid_in_value_and_gradient():
+    """``Swish`` (computed by ``F.silu``) equals x * sigmoid(x) in value and gradient."""
+    from symattn_cli.nn.positional import Swish
+
+    x = torch.linspace(-30, 30, 1001, dtype=torch.float64, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(Swish()(x), y * torch.sigmoid(y), rtol=1e-15, atol=1e-15)
+    Swish()(x).sum().backward()
+    (y * torch.sigmoid(y)).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-13, atol=1e-15)

@@ -366,10 +366,12 @@ class _Chunk:
             d_vnb = d_w if self.keep is None else d_w * self.keep.view(p, j, 1)
             return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
         d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
-        d_pi = self.scratch.empty("kept", p * j, m, g)  # (PJ, M, G); packed: kept is free
-        torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2), out=d_pi)
         d_vnb = self.scratch.empty("w", p * j, m, d)  # (PJ, M, d); d_t has used w
         self.packed.bmm(d_w, d_vnb, transpose=True)
+        # d_pi takes the buffer of the kept weights, whose last reader (unpacked, they are
+        # the packed product's own matrices) was the line above.
+        d_pi = self.scratch.empty("kept", p * j, m, g)  # (PJ, M, G)
+        torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2), out=d_pi)
         if self.keep is not None:
             d_pi.mul_(self.keep.view(p * j, m, g))
         # softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)

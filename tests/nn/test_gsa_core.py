@@ -39,6 +39,7 @@ CASES = [
     ("single", dict()),
     ("single", dict(local=False)),
     ("sum", dict(g=1, m=1)),  # lifting
+    ("sum", dict(g=5, m=5)),  # group products too large to pack (R8's are 8 x 8)
 ]
 
 

@@ -33,7 +33,10 @@ encodings for the backward pass, where each chunk is recomputed and differentiat
 peak memory is one chunk's working set, whatever the image size. Attention dropout drops
 entries of pi (shared by every v); each chunk's mask is drawn from a seed, and drawn again in
 the backward. On CPU a chunk's tensors live in per-thread scratch buffers (:class:`_Scratch`)
-and the chunks are shared among threads (:func:`_in_workers`).
+and the chunks are shared among threads (:func:`_in_workers`). There, the chunk loops run in C++
+(:mod:`symattn_cli.nn.gsa_native`, the same operations in the same order) when the extension
+is available: from Python, each of a chunk's ~80 tensor calls takes the GIL, for which the
+attention threads would wait on each other.
 
 :func:`dense_attention` is the reference algorithm (full logits, autograd), kept for the
 reference's v-dependent group index (a negative control) and as a test oracle.
@@ -47,6 +50,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from symattn_cli.nn import gsa_native
 
 FORMS = ("sum", "single")
 
@@ -97,13 +102,29 @@ def plain_products():
     """Within: no packed products and no sums through 0/1 matrices (the same values), so that
     a FLOP counter counts the algorithm's arithmetic, not the zeros of the packed blocks or
     additions done as matrix products. Not thread-safe: for measurements on one thread."""
-    global PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX
-    saved = PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX
+    global PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE
+    saved = PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE
     PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX = 1, 0, 0
+    NATIVE = False  # the Python loops, whose tensor calls a dispatch mode sees
     try:
         yield
     finally:
-        PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX = saved
+        PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE = saved
+
+
+NATIVE = True  # run the chunk loops in C++ where the extension is available (CPU)
+
+
+def _native_loops(q: torch.Tensor):
+    """The C++ chunk loops (:mod:`gsa_native`) for a call on ``q``, or None for Python's."""
+    if not NATIVE or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return None
+    return gsa_native.load()
+
+
+def _tunables() -> list[int]:
+    """The size thresholds the C++ loops read (in the order they take them)."""
+    return [PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, SCALAR_BMM_SIZE]
 
 
 class _Scratch:
@@ -433,8 +454,18 @@ class FactorisedAttention(torch.autograd.Function):
         out = q.new_empty(z, d, n, n_q).permute(0, 3, 2, 1)  # (Z, L, V, d)
         shifts: list[bool] = [False] * len(chunks)
         kept: list[_Chunk | None] = [None] * len(chunks)
+        native = None if keep_chunks else _native_loops(q)
+        bounds = [rows.start for rows in chunks] + [n_q]
 
         def run(indices: list[int]) -> None:
+            if native is not None:
+                found = native.forward_chunks(
+                    q, k, v, group_logits, rho, neighbour, hidden, form == "single", n, drop,
+                    seeds, bounds, indices, out, _tunables(),
+                )  # fmt: skip
+                for i, shift in zip(indices, found, strict=True):
+                    shifts[i] = shift
+                return
             for i in indices:
                 rows = chunks[i]
                 args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
@@ -465,6 +496,8 @@ class FactorisedAttention(torch.autograd.Function):
         grad_q = torch.empty_like(q)
         grad_gl = None if group_logits is None else torch.empty_like(group_logits)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        native = None if ctx.kept else _native_loops(q)
+        bounds = [rows.start for rows in chunks] + [q.shape[1]]
 
         def run(indices: list[int]):
             """Chunks ``indices`` (consecutive); returns the first key row this worker's dk and
@@ -472,6 +505,12 @@ class FactorisedAttention(torch.autograd.Function):
             calling thread) adds into grad_k and grad_v themselves; the others into the band
             of key rows their queries reach, added in afterwards (in a fixed order: the
             gradients do not depend on timing)."""
+            if native is not None:
+                return native.backward_chunks(
+                    q, k, v, group_logits, rho, neighbour, hidden, form == "single", n, drop,
+                    seeds, bounds, shifts, indices, grad_out, grad_q, grad_gl, grad_k, grad_v,
+                    _tunables(),
+                )  # fmt: skip
             lo = 0
             dk, dv = grad_k, grad_v
             if indices[0] > 0:

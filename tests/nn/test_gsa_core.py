@@ -45,7 +45,7 @@ CASES = [
 
 @pytest.mark.parametrize(("form", "shape"), CASES)
 @pytest.mark.parametrize("drop", [0.0, 0.3])
-def test_gradcheck(form, shape, drop):
+def test_gradcheck(form, shape, drop, loops):
     q, k, v, gl, rho, nb, valid = _inputs(**shape)
     n = rho.shape[0]
 
@@ -64,7 +64,7 @@ def _dense(q, k, v, gl_rho, rho, nb, valid, form, n):
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES)
-def test_matches_dense_softmax(form, shape):
+def test_matches_dense_softmax(form, shape, loops):
     """Factorised (inner x outer softmax) = one softmax over the full (j, m) logits, values
     and gradients; the group term rides on the channels after the spatial ones."""
     q, k, v, _, rho, nb, valid = _inputs(**shape)
@@ -87,7 +87,7 @@ def test_matches_dense_softmax(form, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["large", "very_negative"])
-def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case):
+def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case, loops):
     """exp of the raw logits overflows (large) or underflows (very negative group term): the
     unshifted fast path detects it and the chunk is redone with maxima subtracted."""
     q, k, v, _, rho, nb, valid = _inputs()
@@ -134,7 +134,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
-def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
+def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch, loops):
     """Chunks shared among worker threads: same outputs, gradients and dropout masks."""
     import symattn_cli.nn.gsa_core as core
 
@@ -161,7 +161,7 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch):
         assert torch.allclose(a, b, atol=1e-13)
 
 
-def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
+def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch, loops):
     """``threads=3`` shares the chunks among three threads (the caller and two pool workers)
     even with one torch thread (and below MIN_PARALLEL_WORK); values and gradients equal the
     serial ones; negative is an error."""
@@ -179,17 +179,34 @@ def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
         out.square().sum().backward()
         return [out.detach()] + [t.grad for t in leaves]
 
-    real_chunk = core._Chunk
+    real_chunk, real_loops = core._Chunk, core._native_loops
 
     def spy(*args, **kwargs):
         names.append(threading.current_thread().name)
         return real_chunk(*args, **kwargs)
+
+    class SpiedLoops:  # the C++ loops, noting the threads that call them
+        def __init__(self, module):
+            self.module = module
+
+        def forward_chunks(self, *args):
+            names.append(threading.current_thread().name)
+            return self.module.forward_chunks(*args)
+
+        def backward_chunks(self, *args):
+            names.append(threading.current_thread().name)
+            return self.module.backward_chunks(*args)
+
+    def spied_loops(q):
+        module = real_loops(q)
+        return None if module is None else SpiedLoops(module)
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         serial = run(1)
         monkeypatch.setattr(core, "_Chunk", spy)
+        monkeypatch.setattr(core, "_native_loops", spied_loops)
         parallel = run(3)
         assert torch.get_num_threads() == 1
     finally:
@@ -204,7 +221,7 @@ def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch):
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES)
-def test_backward_takes_a_non_contiguous_output_gradient(form, shape):
+def test_backward_takes_a_non_contiguous_output_gradient(form, shape, loops):
     """The layer's W_out hands back a permuted gradient; the result must not depend on it."""
     q, k, v, gl, rho, nb, valid = _inputs(**shape)
     q.requires_grad_()
@@ -270,10 +287,13 @@ def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
     assert len(alive) == 0
 
 
-def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out():
+def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out(monkeypatch):
     """A second forward and backward allocates no new chunk buffers (the scratch only grows
-    to the largest chunk, then is reused), and the output is stored as (Z, d, V, L)."""
+    to the largest chunk, then is reused), and the output is stored as (Z, d, V, L). (The
+    Python loops' scratch; the C++ loops keep theirs the same way.)"""
     import symattn_cli.nn.gsa_core as core
+
+    monkeypatch.setattr(core, "NATIVE", False)
 
     q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
     args = dict(form="sum", n=3, drop=0.2, chunk=2, threads=1)

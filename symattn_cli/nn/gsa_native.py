@@ -1,0 +1,96 @@
+"""The C++ chunk loops of the attention core (``gsa_core.cpp``), built on first use.
+
+:mod:`symattn_cli.nn.gsa_core` runs its chunks either as Python loops or, on CPU, through
+this extension, which makes the same tensor operations in the same order (tests check that
+both give the same values, gradients and dropout masks) without holding the GIL between them:
+the attention threads then run side by side instead of queueing on it.
+
+The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
+once) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``); later processes load the cached build. ``SYMATTN_NATIVE=0``
+in the environment turns it off. When it cannot be built, a warning names the reason and the
+core keeps its Python loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).with_name("gsa_core.cpp")
+NAME = "symattn_gsa_core"
+ENV = "SYMATTN_NATIVE"
+
+_LOCK = threading.Lock()
+_STATE: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """False when ``SYMATTN_NATIVE`` is set to 0 (or off / false / no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, building it on the first call of the process if needed;
+    None when it is turned off or cannot be built (the caller uses its Python loops)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"] = _build()
+        return _STATE["module"]
+
+
+@contextlib.contextmanager
+def _quiet_builder():
+    """torch's extension builder logs a warning about CUDA on machines without it."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _build() -> ModuleType | None:
+    try:
+        with _quiet_builder():
+            from torch.utils import cpp_extension
+
+            if not _cached(cpp_extension):
+                print(
+                    "symattn: compiling the C++ attention core (once, about 30 s) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return cpp_extension.load(
+                name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
+            )
+    except Exception as error:  # a missing compiler or ninja, a failed build
+        reason = " ".join(str(error).split())[:300]
+        warnings.warn(
+            f"symattn: the C++ attention core could not be built ({type(error).__name__}: "
+            f"{reason}); the attention runs its Python loops, which give the same values "
+            "more slowly. Install a C++ compiler and `pip install ninja` to build it, or set "
+            f"{ENV}=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _cached(cpp_extension) -> bool:
+    """Whether a build of the extension exists in torch's cache (it may still be stale, in
+    which case torch rebuilds it)."""
+    try:
+        root = Path(cpp_extension._get_build_directory(NAME, verbose=False))
+    except Exception:  # a private helper of torch's: if it changes, just say we build
+        return False
+    return any(root.glob(f"{NAME}*.so"))

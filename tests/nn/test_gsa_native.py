@@ -1,0 +1,77 @@
+"""The C++ chunk loops of the attention core: the same numbers as the Python loops, and a
+loader that falls back to those with a clear warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symattn_cli.nn.gsa_core as core
+from symattn_cli.nn import gsa_native
+from symattn_cli.nn.gsa_core import factorised_attention
+
+from .test_gsa_core import CASES, _inputs
+
+
+def _step(inputs, form, drop, threads, dtype, native):
+    """Output and gradients of one forward and backward, with the given chunk loops."""
+    q, k, v, gl, rho, nb, valid = inputs
+    leaves = [
+        None if t is None else t.to(dtype).clone().requires_grad_() for t in (q, k, v, gl, rho)
+    ]
+    saved = core.NATIVE
+    core.NATIVE = native
+    try:
+        torch.manual_seed(5)  # the same dropout seeds for both
+        out = factorised_attention(
+            *leaves, nb, valid, form=form, n=rho.shape[0], drop=drop, chunk=2, threads=threads
+        )
+        out.square().sum().backward()
+    finally:
+        core.NATIVE = saved
+    return [out.detach()] + [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES)
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_loops_give_the_python_loops_numbers(form, shape, drop, threads, native):
+    """Same operations in the same order: bit for bit the same outputs and gradients (dropout
+    masks included), in one thread or shared among three."""
+    inputs = _inputs(n_q=9, **shape)
+    for dtype in (torch.float64, torch.float32):
+        ours = _step(inputs, form, drop, threads, dtype, native=True)
+        python = _step(inputs, form, drop, threads, dtype, native=False)
+        assert ours[1] is not None and ours[1].dtype == dtype  # gradients were computed
+        for a, b in zip(ours, python, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_native_loops_run_on_cpu_float_only():
+    q = torch.zeros(1, 1, 1, 1)
+    assert core._native_loops(q.half()) is None  # other dtypes: the Python loops
+    assert core._native_loops(q.to(torch.int32)) is None
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(gsa_native.ENV, "0")
+    assert not gsa_native.enabled() and gsa_native.load() is None
+    monkeypatch.setenv(gsa_native.ENV, "1")
+    assert gsa_native.enabled()
+
+
+def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(gsa_native, "_STATE", {})
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(gsa_native, "_cached", lambda cpp_extension: True)
+    with pytest.warns(RuntimeWarning, match="Ninja is required.*pip install ninja"):
+        assert gsa_native.load() is None
+    # the attention still works, on its Python loops, and the failure is not retried
+    q, k, v, gl, rho, nb, valid = _inputs()
+    out = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2)
+    assert torch.isfinite(out).all() and gsa_native._STATE == {"module": None}

@@ -200,11 +200,13 @@ class GroupSelfAttention(nn.Module):
         return rho_xy, rho_h
 
     def _qkv(self, x: torch.Tensor):
-        """``x`` ``(B, C, M, ...)`` -> q, k, v each ``(Z, d, M, ...)``."""
+        """``x`` ``(B, C, M, ...)`` -> q (scaled by 1/sqrt(d)), k, v each ``(Z, d, M, ...)``."""
         b, _, m = x.shape[:3]
         flat = x.reshape(b, x.shape[1], m, -1)  # (B, C, M, I)
         shape = (b * self.heads, self.head_dim, m, *x.shape[3:])
-        return tuple(f(flat).reshape(shape) for f in (self.query, self.key, self.value))
+        scale = 1.0 / math.sqrt(self.head_dim)  # in the map's weights: no scaled copy of q
+        q = F.conv2d(flat, self.query.weight * scale, self.query.bias * scale)
+        return q.reshape(shape), self.key(flat).reshape(shape), self.value(flat).reshape(shape)
 
     def _output(self, out: torch.Tensor, b: int, spatial: tuple[int, ...]) -> torch.Tensor:
         """``(Z, L, V, d)`` -> W_out -> ``(B, C_out, N, *spatial)``."""
@@ -214,14 +216,14 @@ class GroupSelfAttention(nn.Module):
         return self.w_out(out).reshape(b, -1, self.group.order, *spatial)
 
     def _attend(self, q, k, v, rho_xy, rho_h, neighbour, valid) -> torch.Tensor:
-        """q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)`` -> ``(Z, L, V, d)``.
+        """q ``(Z, L, G, d)`` (scaled), k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)`` -> ``(Z, L,
+        V, d)``.
 
         The shared core of every layer kind: :func:`factorised_attention`, or the reference's
         dense algorithm for its v-dependent group index (``group_index="shifted"``).
         """
         z, _, g, d = q.shape
         m, j, n = k.shape[2], neighbour.shape[1], self.group.order
-        q = q * (1.0 / math.sqrt(d))
         per_query = z * j * max(g * m, g * n, g * d, m * d)
         budget = self.chunk_elements or AUTO_CHUNK.get(q.device.type, AUTO_CHUNK["cuda"])
         chunk = max(1, budget // per_query)
@@ -245,32 +247,33 @@ class GroupSelfAttention(nn.Module):
     def _attend_local(self, x: torch.Tensor, crop: int) -> torch.Tensor:
         """Local attention: each output pixel attends to its P x P neighbourhood.
 
-        Keys and values are zero-padded by P//2 and flattened to ``(Z, Hp*Wp, M, d)``; the
-        neighbour at offset (dy, dx) of output pixel (y, x) is padded pixel (y + dy, x + dx).
-        Neighbours in the padding are masked out; queries exist only for the output pixels.
+        Keys and values are flattened to ``(Z, H*W, M, d)``; the neighbour at offset (dy, dx)
+        of output pixel (y, x) is pixel (y + dy, x + dx). Neighbours outside the image are
+        masked out (their index is clamped to a pixel inside, whose key then takes no weight
+        and gets no gradient); queries exist only for the output pixels.
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
         q, k, v = self._qkv(x)  # (Z, d, M, H, W)
         z, d = q.shape[:2]
-        wp = width + 2 * r
         # contiguous: the core gathers rows of k and v and scatters their gradients
-        k = F.pad(k, (r, r, r, r)).permute(0, 3, 4, 2, 1).contiguous().view(z, -1, m, d)
-        v = F.pad(v, (r, r, r, r)).permute(0, 3, 4, 2, 1).contiguous().view(z, -1, m, d)
+        k = k.permute(0, 3, 4, 2, 1).contiguous().view(z, height * width, m, d)  # (Z, Lkv, M, d)
+        v = v.permute(0, 3, 4, 2, 1).contiguous().view(z, height * width, m, d)  # (Z, Lkv, M, d)
         q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
         out_h, out_w = q.shape[-2:]
         q = q.permute(0, 3, 4, 2, 1).contiguous().view(z, out_h * out_w, m, d)  # (Z, L, G, d)
 
         dev = x.device
-        ys = torch.arange(crop, height - crop, device=dev)[:, None, None, None]
-        xs = torch.arange(crop, width - crop, device=dev)[None, :, None, None]
+        ys = torch.arange(crop, height - crop, device=dev)[:, None, None, None] - r
+        xs = torch.arange(crop, width - crop, device=dev)[None, :, None, None] - r
         dys = torch.arange(p, device=dev)[None, None, :, None]
         dxs = torch.arange(p, device=dev)[None, None, None, :]
-        neighbour = ((ys + dys) * wp + xs + dxs).reshape(out_h * out_w, p * p)  # (L, J)
+        rows, cols = ys + dys, xs + dxs  # (H', 1, P, 1), (1, W', 1, P): neighbour pixels
+        neighbour = rows.clamp(0, height - 1) * width + cols.clamp(0, width - 1)
+        neighbour = neighbour.reshape(out_h * out_w, p * p)  # (L, J)
         valid = None
         if crop < r:  # some neighbourhoods leave the image
-            inside = (ys + dys - r >= 0) & (ys + dys - r < height)
-            inside = inside & (xs + dxs - r >= 0) & (xs + dxs - r < width)
+            inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)
             valid = inside.reshape(out_h * out_w, p * p)  # (L, J)
 
         offsets = grid_coordinates(p, p, dtype=x.dtype).to(dev).reshape(-1, 2)  # (J, 2)

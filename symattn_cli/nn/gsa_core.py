@@ -441,6 +441,8 @@ class FactorisedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group_logits, rho, neighbour, valid, form, n, drop, chunk,
                 recompute, threads):  # fmt: skip
+        # Rows are gathered and scattered: strided inputs would make every gather slow.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         z, n_q, g, d = q.shape
         m, j = k.shape[2], neighbour.shape[1]
         # Keep the chunks for the backward only if there will be one (inference keeps none).

@@ -135,7 +135,7 @@ class GroupSelfAttention(nn.Module):
             else None
         )
         self.pos_dim = 2 * per_axis if self.position is not None else 0
-        group_dim = 0 if lifting else d - 2 * per_axis
+        group_dim = 0 if lifting else d - self.pos_dim  # rho_H: q's channels after rho_xy
         self.group_embedding = (
             nn.Parameter(torch.randn(group.order, group_dim)) if group_dim > 0 else None
         )
@@ -234,12 +234,9 @@ class GroupSelfAttention(nn.Module):
                 q, k, v, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=n,
                 dropout=self.attention_dropout, chunk=max(1, budget // per_query),
             )  # fmt: skip
-        group_logits = None
-        if rho_h is not None:  # q_ig . rho_H(g^-1 m)
-            group_logits = torch.einsum("zlgc,gmc->zlmg", q[..., self.pos_dim :], rho_h)
         recompute = self.checkpointing and torch.is_grad_enabled()
-        return factorised_attention(
-            q, k, v, group_logits, rho_xy, neighbour, valid, form=self.query_form, n=n,
+        return factorised_attention(  # q_ig . rho_H(g^-1 m) on q's last channels: in the core
+            q, k, v, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=n,
             drop=drop, chunk=chunk, recompute=recompute, threads=self.attention_threads,
         )  # fmt: skip
 

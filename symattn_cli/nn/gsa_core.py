@@ -102,14 +102,17 @@ def plain_products():
     """Within: no packed products and no sums through 0/1 matrices (the same values), so that
     a FLOP counter counts the algorithm's arithmetic, not the zeros of the packed blocks or
     additions done as matrix products. Not thread-safe: for measurements on one thread."""
-    global PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE
-    saved = PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE
-    PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX = 1, 0, 0
+    global PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE, BLOCK_GROUP_TABLE
+    saved = PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE, BLOCK_GROUP_TABLE
+    PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, BLOCK_GROUP_TABLE = 1, 0, 0, False
     NATIVE = False  # the Python loops, whose tensor calls a dispatch mode sees
     try:
         yield
     finally:
-        PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE = saved
+        PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE, BLOCK_GROUP_TABLE = saved
+
+
+BLOCK_GROUP_TABLE = True  # group logits as one GEMM with a block-diagonal table
 
 
 NATIVE = True  # run the chunk loops in C++ where the extension is available (CPU)
@@ -432,17 +435,20 @@ class FactorisedAttention(torch.autograd.Function):
     """``out (Z, L, V, d)`` from q ``(Z, L, G, d)`` (pre-scaled by 1/sqrt(d)), k, v
     ``(Z, Lkv, M, d)``; with attention dropout, the output still needs its 1 / (1 - drop).
 
-    ``group_logits`` ``(Z, L, M, G)`` or None; ``rho`` ``(V, J, e)`` (local), ``(V, L, J, e)``
-    (global) or None; ``neighbour`` ``(L, J)`` indices into Lkv; ``valid`` ``(L, J)`` bool or
-    None; ``n`` = V; ``drop`` the attention-dropout rate; ``chunk`` queries per chunk;
-    ``recompute`` recomputes each chunk in the backward instead of keeping it (memory).
+    ``group_rho`` ``(G, M, c)`` or None: the group encoding rho_H(g^-1 m), dotted with the
+    last c channels of q (:func:`_group_logits`); ``rho`` ``(V, J, e)`` (local),
+    ``(V, L, J, e)`` (global) or None, dotted with the first e; ``neighbour`` ``(L, J)``
+    indices into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the
+    attention-dropout rate; ``chunk`` queries per chunk; ``recompute`` recomputes each chunk
+    in the backward instead of keeping it (memory).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group_logits, rho, neighbour, valid, form, n, drop, chunk,
+    def forward(ctx, q, k, v, group_rho, rho, neighbour, valid, form, n, drop, chunk,
                 recompute, threads):  # fmt: skip
         # Rows are gathered and scattered: strided inputs would make every gather slow.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        group_logits = None if group_rho is None else _group_logits(q, group_rho)  # (Z,L,M,G)
         z, n_q, g, d = q.shape
         m, j = k.shape[2], neighbour.shape[1]
         # Keep the chunks for the backward only if there will be one (inference keeps none).
@@ -483,7 +489,7 @@ class FactorisedAttention(torch.autograd.Function):
                     kept[i] = ch
 
         _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
-        ctx.save_for_backward(q, k, v, group_logits, rho, neighbour, valid)
+        ctx.save_for_backward(q, k, v, group_rho, rho, neighbour, valid)
         ctx.args = (form, n, drop, chunks, seeds, shifts, threads)
         ctx.kept = kept if keep_chunks else []
         return out
@@ -491,8 +497,10 @@ class FactorisedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, group_logits, rho, neighbour, valid = ctx.saved_tensors
+        q, k, v, group_rho, rho, neighbour, valid = ctx.saved_tensors
         form, n, drop, chunks, seeds, shifts, threads = ctx.args
+        # recomputed, not saved: one product with the q that is saved anyway
+        group_logits = None if group_rho is None else _group_logits(q, group_rho)  # (Z,L,M,G)
         hidden = _hidden(valid, chunks, q.dtype)
         # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
@@ -554,8 +562,44 @@ class FactorisedAttention(torch.autograd.Function):
             grad_k[:, lo : lo + dk.shape[1]] += dk
             grad_v[:, lo : lo + dv.shape[1]] += dv
         grad_rho = _sum_(*(part[3] for part in parts))
+        grad_group_rho = None if group_rho is None else _group_grads(grad_gl, q, group_rho, grad_q)
         ctx.kept = []  # free them now; a second backward (retain_graph) recomputes
-        return grad_q, grad_k, grad_v, grad_gl, grad_rho, *(None,) * 8
+        return grad_q, grad_k, grad_v, grad_group_rho, grad_rho, *(None,) * 8
+
+
+def _group_table(group_rho: torch.Tensor, d: int) -> torch.Tensor:
+    """``(G d, M G)``: group_rho ``(G, M, c)`` placed so that q ``(.., G d)`` times it gives
+    the group logits ``(.., M, G)``: block-diagonal over g, with group_rho[g] in the rows of
+    q's last c channels of element g and zeros elsewhere."""
+    g, m, c = group_rho.shape
+    table = group_rho.new_zeros(g, d, m, g)
+    table.diagonal(dim1=0, dim2=3)[d - c :] = group_rho.permute(2, 1, 0)  # (c, M, G)
+    return table.view(g * d, m * g)
+
+
+def _group_logits(q: torch.Tensor, group_rho: torch.Tensor) -> torch.Tensor:
+    """q_ig . rho_H(g^-1 m) over q's last c channels: ``(Z, L, M, G)`` from q ``(Z, L, G, d)``
+    (contiguous) and group_rho ``(G, M, c)``. One GEMM on q as it is (an einsum would first
+    copy q's channel slice, and autograd would keep that copy); under :func:`plain_products`,
+    the einsum, so that a FLOP counter sees no products with the table's zeros."""
+    z, n_q, g, d = q.shape
+    m, c = group_rho.shape[1:]
+    if not BLOCK_GROUP_TABLE:
+        return torch.einsum("zlgc,gmc->zlmg", q[..., d - c :], group_rho)
+    return (q.view(z * n_q, g * d) @ _group_table(group_rho, d)).view(z, n_q, m, g)
+
+
+def _group_grads(d_gl, q, group_rho, grad_q) -> torch.Tensor:
+    """Backward of :func:`_group_logits`: adds into ``grad_q``, returns d group_rho."""
+    z, n_q, g, d = q.shape
+    m, c = group_rho.shape[1:]
+    if not BLOCK_GROUP_TABLE:
+        grad_q[..., d - c :] += torch.einsum("zlmg,gmc->zlgc", d_gl, group_rho)
+        return torch.einsum("zlmg,zlgc->gmc", d_gl, q[..., d - c :])
+    flat_q, flat_gl = q.view(z * n_q, g * d), d_gl.reshape(z * n_q, m * g)
+    grad_q.view(z * n_q, g * d).addmm_(flat_gl, _group_table(group_rho, d).T)
+    grad_table = (flat_q.T @ flat_gl).view(g, d, m, g)  # (G, d, M, G)
+    return grad_table.diagonal(dim1=0, dim2=3)[d - c :].permute(2, 1, 0).contiguous()
 
 
 def _sum_(first: torch.Tensor | None, *rest: torch.Tensor) -> torch.Tensor | None:
@@ -614,7 +658,7 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
 
 
 def factorised_attention(
-    q, k, v, group_logits, rho, neighbour, valid, *, form: str, n: int, drop: float = 0.0,
+    q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: int, drop: float = 0.0,
     chunk: int, recompute: bool = True, threads: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Functional entry point of :class:`FactorisedAttention` (q already scaled by 1/sqrt(d)).
@@ -629,7 +673,7 @@ def factorised_attention(
         raise ValueError(f"attention dropout {drop} must be in [0, 1)")
     drop = round(drop * DROP_STEPS) / DROP_STEPS
     out = FactorisedAttention.apply(
-        q, k, v, group_logits, rho, neighbour, valid, form, n, drop, max(int(chunk), 1),
+        q, k, v, group_rho, rho, neighbour, valid, form, n, drop, max(int(chunk), 1),
         recompute, threads,
     )  # fmt: skip
     return out * (1.0 / (1.0 - drop)) if drop > 0 else out

@@ -18,19 +18,20 @@ from symattn_cli.nn.gsa_core import (
 
 
 def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=3, d=5, e=2, local=True, seed=0):
-    """Random core inputs in float64: every query sees ``j`` keys, the first one invalid."""
+    """Random core inputs in float64: every query sees ``j`` keys, the first one invalid; a
+    group encoding on the channels after the spatial ones."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q, k, v = rnd(z, n_q, g, d), rnd(z, n_kv, m, d), rnd(z, n_kv, m, d)
-    group_logits = rnd(z, n_q, m, g) if m > 1 else None
+    group_rho = rnd(g, m, d - e) if m > 1 else None  # on q's channels after rho's
     rho = rnd(n, j, e) if local else rnd(n, n_q, j, e)
     neighbour = torch.randint(0, n_kv, (n_q, j), generator=gen)
     valid = torch.ones(n_q, j, dtype=torch.bool)
     valid[::2, 0] = False  # some queries lose a neighbour
-    return q, k, v, group_logits, rho, neighbour, valid
+    return q, k, v, group_rho, rho, neighbour, valid
 
 
 CASES = [
@@ -46,14 +47,14 @@ CASES = [
 @pytest.mark.parametrize(("form", "shape"), CASES)
 @pytest.mark.parametrize("drop", [0.0, 0.3])
 def test_gradcheck(form, shape, drop, loops):
-    q, k, v, gl, rho, nb, valid = _inputs(**shape)
+    q, k, v, g_rho, rho, nb, valid = _inputs(**shape)
     n = rho.shape[0]
 
-    def f(q, k, v, gl, rho):
+    def f(q, k, v, g_rho, rho):
         torch.manual_seed(0)  # the same dropout mask on every call
-        return FactorisedAttention.apply(q, k, v, gl, rho, nb, valid, form, n, drop, 2, True, 0)
+        return FactorisedAttention.apply(q, k, v, g_rho, rho, nb, valid, form, n, drop, 2, True, 0)
 
-    args = [t.requires_grad_() if t is not None else None for t in (q, k, v, gl, rho)]
+    args = [t.requires_grad_() if t is not None else None for t in (q, k, v, g_rho, rho)]
     assert torch.autograd.gradcheck(f, args)
 
 
@@ -67,15 +68,17 @@ def _dense(q, k, v, gl_rho, rho, nb, valid, form, n):
 def test_matches_dense_softmax(form, shape, loops):
     """Factorised (inner x outer softmax) = one softmax over the full (j, m) logits, values
     and gradients; the group term rides on the channels after the spatial ones."""
-    q, k, v, _, rho, nb, valid = _inputs(**shape)
-    n, g, m, e = rho.shape[0], q.shape[2], k.shape[2], rho.shape[-1]
-    table = torch.randn(g, m, q.shape[3] - e, dtype=torch.float64)  # rho_H(g^-1 m), say
+    q, k, v, table, rho, nb, valid = _inputs(**shape)
+    n = rho.shape[0]
     fast_leaves = [t.clone().requires_grad_() for t in (q, k, v, rho)]
     dense_leaves = [t.clone().requires_grad_() for t in (q, k, v, rho)]
-    qf, kf, vf, rf = fast_leaves
-    gl = torch.einsum("zlgc,gmc->zlmg", qf[..., e:], table) if m > 1 else None
-    fast = factorised_attention(qf, kf, vf, gl, rf, nb, valid, form=form, n=n, chunk=2)
-    group_rho = table.expand(n, g, m, -1) if m > 1 else None
+    if table is not None:  # rho_H(g^-1 m), say; the dense form takes one per v
+        fast_leaves.append(table.clone().requires_grad_())
+        dense_leaves.append(table.clone().requires_grad_())
+    qf, kf, vf, rf = fast_leaves[:4]
+    tf = fast_leaves[4] if table is not None else None
+    fast = factorised_attention(qf, kf, vf, tf, rf, nb, valid, form=form, n=n, chunk=2)
+    group_rho = dense_leaves[4].expand(n, *table.shape) if table is not None else None
     slow = _dense(*dense_leaves[:3], group_rho, dense_leaves[3], nb, valid, form, n)
     assert torch.allclose(fast, slow, atol=1e-12)
     weights = torch.randn_like(fast)
@@ -92,19 +95,16 @@ def test_logits_out_of_exp_range_fall_back_to_shifted_softmax(dtype, case, loops
     unshifted fast path detects it and the chunk is redone with maxima subtracted."""
     q, k, v, _, rho, nb, valid = _inputs()
     q, k, v, rho = (t.to(dtype) for t in (q, k, v, rho))
-    group_logits, group_rho = None, None
+    table, group_rho = None, None
     if case == "large":
         q = q * 400.0  # |logits| ~ 1e3: exp overflows in float32 and float64
     else:  # every inner logit below -1000: exp underflows to zero
-        group_logits = torch.full((2, 5, 3, 3), -1000.0, dtype=dtype)
-    out = factorised_attention(q, k, v, group_logits, rho, nb, valid, form="sum", n=3, chunk=2)
-    if case != "large":  # the dense form adds the same constant inside its single softmax
         q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         k = torch.cat([k, torch.zeros_like(k[..., :1])], dim=-1)
         v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
-        group_rho = torch.zeros(3, 3, 3, q.shape[-1] - rho.shape[-1], dtype=torch.float64)
-        group_rho[..., -1] = -1000.0  # times the ones channel of q
-        out = torch.cat([out, torch.zeros_like(out[..., :1])], dim=-1)
+        table = torch.full((3, 3, 1), -1000.0, dtype=dtype)  # times the ones channel of q
+        group_rho = table.double().expand(3, 3, 3, 1)  # the dense form: one per v
+    out = factorised_attention(q, k, v, table, rho, nb, valid, form="sum", n=3, chunk=2)
     ref = _dense(q.double(), k.double(), v.double(), group_rho, rho.double(), nb, valid, "sum", 3)
     assert torch.isfinite(out).all()
     tol = 1e-4 if dtype == torch.float32 else 1e-10
@@ -115,22 +115,22 @@ def test_dropout_rate_and_identity_without_dropout():
     keep = _keep_mask((1000, 1000), 0.1, 3, _Scratch(torch.empty(0), reuse=False))
     assert abs(1.0 - keep.double().mean().item() - 0.1) < 2e-3  # 1e6 draws: std 3e-4
     assert _keep_mask((10,), 0.0, 3, _Scratch(torch.empty(0), reuse=True)).bool().all()
-    q, k, v, gl, rho, nb, valid = _inputs()
+    q, k, v, g_rho, rho, nb, valid = _inputs()
     torch.manual_seed(1)
-    a = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
-    b = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2)
+    a = factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
+    b = factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, chunk=2)
     assert not torch.allclose(a, b)  # dropout changes the output ...
     torch.manual_seed(1)
-    c = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
+    c = factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, drop=0.5, chunk=2)
     assert torch.equal(a, c)  # ... reproducibly from the seed
 
 
 def test_bad_arguments():
-    q, k, v, gl, rho, nb, valid = _inputs()
+    q, k, v, g_rho, rho, nb, valid = _inputs()
     with pytest.raises(ValueError, match="form='x'"):
-        factorised_attention(q, k, v, gl, rho, nb, valid, form="x", n=3, chunk=2)
+        factorised_attention(q, k, v, g_rho, rho, nb, valid, form="x", n=3, chunk=2)
     with pytest.raises(ValueError, match="dropout 1.0"):
-        factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, drop=1.0, chunk=2)
+        factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, drop=1.0, chunk=2)
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
@@ -138,10 +138,10 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch, loops
     """Chunks shared among worker threads: same outputs, gradients and dropout masks."""
     import symattn_cli.nn.gsa_core as core
 
-    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=9)
 
     def run():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
         torch.manual_seed(3)
         out = factorised_attention(*leaves, nb, valid, form=form, n=3, drop=0.2, chunk=2)
         out.square().sum().backward()
@@ -167,11 +167,11 @@ def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch, loo
     serial ones; negative is an error."""
     import symattn_cli.nn.gsa_core as core
 
-    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=9)
     names = []
 
     def run(threads):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
         torch.manual_seed(3)
         out = factorised_attention(
             *leaves, nb, valid, form="sum", n=3, drop=0.2, chunk=2, threads=threads
@@ -217,15 +217,15 @@ def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch, loo
     for a, b in zip(serial, parallel, strict=True):
         assert torch.allclose(a, b, atol=1e-13)
     with pytest.raises(ValueError, match="threads=-1"):
-        factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2, threads=-1)
+        factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, chunk=2, threads=-1)
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES)
 def test_backward_takes_a_non_contiguous_output_gradient(form, shape, loops):
     """The layer's W_out hands back a permuted gradient; the result must not depend on it."""
-    q, k, v, gl, rho, nb, valid = _inputs(**shape)
+    q, k, v, g_rho, rho, nb, valid = _inputs(**shape)
     q.requires_grad_()
-    out = factorised_attention(q, k, v, gl, rho, nb, valid, form=form, n=rho.shape[0], chunk=1)
+    out = factorised_attention(q, k, v, g_rho, rho, nb, valid, form=form, n=rho.shape[0], chunk=1)
     z, n_q, n, d = out.shape
     grad = torch.randn(z, d, n, n_q, dtype=out.dtype).permute(0, 3, 2, 1)  # as from W_out
     (a,) = torch.autograd.grad(out, q, grad, retain_graph=True)
@@ -265,7 +265,7 @@ def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
 
     import symattn_cli.nn.gsa_core as core
 
-    q, k, v, gl, rho, nb, valid = _inputs(n_q=6)
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=6)
     alive: weakref.WeakSet = weakref.WeakSet()
     peak = [0]
 
@@ -278,9 +278,9 @@ def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
     monkeypatch.setattr(core, "_Chunk", Counted)
     args = dict(form="sum", n=3, chunk=1, recompute=False, threads=1)
     with torch.no_grad():
-        factorised_attention(q, k, v, gl, rho, nb, valid, **args)
+        factorised_attention(q, k, v, g_rho, rho, nb, valid, **args)
     assert peak[0] <= 2  # the next chunk exists before the previous one is released
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
     out = factorised_attention(*leaves, nb, valid, **args)
     assert len(alive) == 6  # one per query, for the backward
     out.sum().backward()
@@ -295,11 +295,11 @@ def test_chunks_reuse_the_thread_scratch_and_output_is_laid_out_for_w_out(monkey
 
     monkeypatch.setattr(core, "NATIVE", False)
 
-    q, k, v, gl, rho, nb, valid = _inputs(n_q=9)
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=9)
     args = dict(form="sum", n=3, drop=0.2, chunk=2, threads=1)
 
     def step():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
         out = factorised_attention(*leaves, nb, valid, **args)
         out.square().sum().backward()
         return out
@@ -317,10 +317,10 @@ def test_plain_products_give_the_same_values_and_restore_the_settings():
     counter does) changes no value or gradient beyond rounding."""
     import symattn_cli.nn.gsa_core as core
 
-    q, k, v, gl, rho, nb, valid = _inputs(n_q=9, g=4, m=4, n=4, j=6)  # packed: 4 x 4 blocks
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=9, g=4, m=4, n=4, j=6)  # packed: 4 x 4 blocks
 
     def run():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, gl, rho)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
         out = factorised_attention(*leaves, nb, valid, form="sum", n=4, chunk=3, threads=1)
         out.square().sum().backward()
         return [out.detach()] + [t.grad for t in leaves]

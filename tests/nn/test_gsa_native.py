@@ -15,9 +15,9 @@ from .test_gsa_core import CASES, _inputs
 
 def _step(inputs, form, drop, threads, dtype, native):
     """Output and gradients of one forward and backward, with the given chunk loops."""
-    q, k, v, gl, rho, nb, valid = inputs
+    q, k, v, g_rho, rho, nb, valid = inputs
     leaves = [
-        None if t is None else t.to(dtype).clone().requires_grad_() for t in (q, k, v, gl, rho)
+        None if t is None else t.to(dtype).clone().requires_grad_() for t in (q, k, v, g_rho, rho)
     ]
     saved = core.NATIVE
     core.NATIVE = native
@@ -72,6 +72,6 @@ def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Ninja is required.*pip install ninja"):
         assert gsa_native.load() is None
     # the attention still works, on its Python loops, and the failure is not retried
-    q, k, v, gl, rho, nb, valid = _inputs()
-    out = factorised_attention(q, k, v, gl, rho, nb, valid, form="sum", n=3, chunk=2)
+    q, k, v, g_rho, rho, nb, valid = _inputs()
+    out = factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, chunk=2)
     assert torch.isfinite(out).all() and gsa_native._STATE == {"module": None}

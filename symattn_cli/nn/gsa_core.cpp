@@ -136,19 +136,29 @@ Tensor keep_mask(at::IntArrayRef shape, double p, int64_t seed, Scratch& scratch
   return at::ge_out(out, u15, static_cast<int64_t>(std::llround(p * kDropSteps)));
 }
 
-// Tiny matrices packed into block-diagonal ones (gsa_core._Packed).
+// Tiny matrices packed into block-diagonal ones, times mask if defined (gsa_core._Packed).
 struct Packed {
   Tensor a;
   int64_t f = 1;
 
-  void pack(const Tensor& tiny, int64_t cols, Scratch& scratch, const Tunables& tun) {
+  void pack(const Tensor& tiny, int64_t cols, Scratch& scratch, const Tunables& tun,
+            const Tensor& mask) {
     a = tiny;
     f = 1;
     const int64_t n = tiny.size(0), r = tiny.size(1), c = tiny.size(2);
     const int64_t ff = std::max<int64_t>(1, tun.packed_rows / std::max(r, c));
-    if (ff == 1 || n % ff || c * r * cols >= tun.scalar_bmm_size) return;
+    if (ff == 1 || n % ff || c * r * cols >= tun.scalar_bmm_size) {
+      if (mask.defined()) a = mul_into(scratch.empty("kept", {n, c, r}).transpose(1, 2), tiny, mask);
+      return;
+    }
     Tensor blocks = scratch.zeros("blocks", {n / ff, ff, r, ff, c});
-    blocks.diagonal(0, 1, 3).copy_(tiny.view({n / ff, ff, r, c}).permute({0, 2, 3, 1}));
+    Tensor diagonal = blocks.diagonal(0, 1, 3);  // (n / f, r, c, f)
+    const Tensor in = tiny.view({n / ff, ff, r, c}).permute({0, 2, 3, 1});  // (n / f, r, c, f)
+    if (mask.defined()) {
+      mul_into(diagonal, in, mask.view({n / ff, ff, r, c}).permute({0, 2, 3, 1}));
+    } else {
+      diagonal.copy_(in);
+    }
     a = blocks.view({n / ff, ff * r, ff * c});
     f = ff;
   }
@@ -284,9 +294,9 @@ struct Chunk {
       if (!normaliser) return false;
       lse = normaliser->view({p, j, g});
       pi = c;
-      Tensor kept = c;  // attention dropout:
-      if (keep.defined()) kept = mul_into(scratch.empty("kept", {p, j, m, g}), c, keep);
-      packed.pack(kept.view({p * j, m, g}).transpose(1, 2), d, scratch, in.tun);  // (PJ, G, M)
+      const Tensor mask = keep.defined() ? keep.view({p * j, m, g}).transpose(1, 2) : Tensor();
+      // (PJ, G, M); dropout: times the mask
+      packed.pack(c.view({p * j, m, g}).transpose(1, 2), d, scratch, in.tun, mask);
       weighted = packed.bmm(v_nb.view({p * j, m, d}), scratch.empty("w", {p * j, g, d}), false);
     }
     w = weighted.view({p, j * g, d});  // (P, JG, d)
@@ -329,8 +339,9 @@ struct Chunk {
       if (kk == 1) go = go.sum(1, true);  // (P, 1, d): every v had the same weights
       d_t = bmm_into(scratch.empty("d_t", {p, kk, j * g}), go, w.transpose(1, 2));
       d_t = d_t.view({p, kk, j, g}).mul_(beta);  // (P, K, J, G): beta d_beta
-      d_w = bmm_into(scratch.empty("d_w", {p, j * g, d}), beta.view({p, kk, j * g}).transpose(1, 2),
-                     go);  // (P, JG, d)
+      // (P, JG, d); d_t has used w
+      d_w = bmm_into(scratch.empty("w", {p, j * g, d}), beta.view({p, kk, j * g}).transpose(1, 2),
+                     go);
     }
     // softmax over j: d_t = beta * (d_beta - sum_j beta d_beta)
     const Tensor total =
@@ -342,10 +353,11 @@ struct Chunk {
       return {d_t, d_lse.view({p, j, 1}), d_vnb.view({p, j, d})};
     }
     d_w = d_w.view({p * j, g, d});  // (PJ, G, d)
-    Tensor d_vnb = packed.bmm(d_w, scratch.empty("w", {p * j, m, d}), true);  // (PJ, M, d)
-    // d_pi takes the kept weights' buffer after their last reader, the line above.
-    Tensor d_pi = bmm_into(scratch.empty("kept", {p * j, m, g}), v_nb.view({p * j, m, d}),
-                           d_w.transpose(1, 2));  // (PJ, M, G)
+    // (PJ, M, G); beta is done with
+    Tensor d_pi = bmm_into(scratch.empty("t", {p * j, m, g}), v_nb.view({p * j, m, d}),
+                           d_w.transpose(1, 2));
+    // (PJ, M, d); d_pi has used v_nb
+    Tensor d_vnb = packed.bmm(d_w, scratch.empty("v_nb", {p * j, m, d}), true);
     if (keep.defined()) d_pi.mul_(keep.view({p * j, m, g}));
     // softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)
     Tensor d_c = d_pi.mul_(pi.view({p * j, m, g}));  // (PJ, M, G): pi d_pi

@@ -70,18 +70,27 @@ class _Packed:
     time) sends them to the BLAS path, which is 2-4x faster despite the f-fold wasted work.
     Exact: the extra terms are products with zero. One packed copy serves both products (the
     transpose of a block-diagonal matrix is block-diagonal). The blocks live in ``scratch``,
-    whose zeros stay zero from chunk to chunk: only the diagonal is written.
+    whose zeros stay zero from chunk to chunk: only the diagonal is written. ``mask`` (a's
+    shape, or None) multiplies ``a`` on its way in (attention dropout); unpacked, the product
+    goes to the ``"kept"`` buffer, laid out as ``a``'s transpose.
     """
 
-    def __init__(self, a: torch.Tensor, cols: int, scratch: _Scratch) -> None:
+    def __init__(self, a: torch.Tensor, cols: int, scratch: _Scratch, mask=None) -> None:
         n, r, c = a.shape
         f = max(1, PACKED_ROWS // max(r, c))
         self.a, self.f = a, f
         if a.device.type != "cpu" or f == 1 or n % f or c * r * cols >= SCALAR_BMM_SIZE:
             self.f = 1
+            if mask is not None:
+                self.a = torch.mul(a, mask, out=scratch.empty("kept", n, c, r).transpose(1, 2))
             return
         blocks = scratch.zeros("blocks", n // f, f, r, f, c)
-        blocks.diagonal(dim1=1, dim2=3).copy_(a.view(n // f, f, r, c).permute(0, 2, 3, 1))
+        diagonal = blocks.diagonal(dim1=1, dim2=3)  # (n / f, r, c, f)
+        a = a.view(n // f, f, r, c).permute(0, 2, 3, 1)  # (n / f, r, c, f)
+        if mask is None:
+            diagonal.copy_(a)
+        else:
+            torch.mul(a, mask.view(n // f, f, r, c).permute(0, 2, 3, 1), out=diagonal)
         self.a = blocks.view(n // f, f * r, f * c)
 
     def bmm(self, b: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -339,10 +348,9 @@ class _Chunk:
         else:
             lse = _softmax_(c.view(p * j, m, g), shift, scratch).view(p, j, g)  # c is now pi
             self.pi = c
-            kept = c  # attention dropout:
-            if drop:
-                kept = torch.mul(c, self.keep, out=scratch.empty("kept", p, j, m, g))
-            self.packed = _Packed(kept.view(p * j, m, g).transpose(1, 2), d, scratch)  # (PJ,G,M)
+            mask = None if self.keep is None else self.keep.view(p * j, m, g).transpose(1, 2)
+            tiny = c.view(p * j, m, g).transpose(1, 2)  # (PJ, G, M); dropout: times the mask
+            self.packed = _Packed(tiny, d, scratch, mask)
             w = self.packed.bmm(self.v_nb.view(p * j, m, d), scratch.empty("w", p * j, g, d))
         self.w = w.view(p, j * g, d)  # (P, JG, d)
         if hidden is not None:  # neighbours outside the image take no weight: -inf logits
@@ -380,7 +388,7 @@ class _Chunk:
                 go = go.sum(1, keepdim=True)  # (P, 1, d): every v had the same weights
             d_t = torch.bmm(go, self.w.transpose(1, 2), out=self.scratch.empty("d_t", p, kk, j * g))
             d_t = d_t.view(p, kk, j, g).mul_(beta)  # (P, K, J, G): beta d_beta
-            d_w = self.scratch.empty("d_w", p, j * g, d)  # (P, JG, d)
+            d_w = self.scratch.empty("w", p, j * g, d)  # (P, JG, d); d_t has used w
             torch.bmm(beta.view(p, kk, j * g).transpose(1, 2), go, out=d_w)
         # softmax over j: d_t = beta * (d_beta - sum_j beta d_beta)
         total = _segment_expand(_segment_sum(d_t.view(p * kk, j, g)), j, self.scratch)
@@ -390,12 +398,10 @@ class _Chunk:
             d_vnb = d_w if self.keep is None else d_w * self.keep.view(p, j, 1)
             return d_t, d_lse.view(p, j, 1), d_vnb.view(p, j, d)
         d_w = d_w.view(p * j, g, d)  # (PJ, G, d)
-        d_vnb = self.scratch.empty("w", p * j, m, d)  # (PJ, M, d); d_t has used w
-        self.packed.bmm(d_w, d_vnb, transpose=True)
-        # d_pi takes the buffer of the kept weights, whose last reader (unpacked, they are
-        # the packed product's own matrices) was the line above.
-        d_pi = self.scratch.empty("kept", p * j, m, g)  # (PJ, M, G)
+        d_pi = self.scratch.empty("t", p * j, m, g)  # (PJ, M, G); beta is done with
         torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2), out=d_pi)
+        d_vnb = self.scratch.empty("v_nb", p * j, m, d)  # (PJ, M, d); d_pi has used v_nb
+        self.packed.bmm(d_w, d_vnb, transpose=True)
         if self.keep is not None:
             d_pi.mul_(self.keep.view(p * j, m, g))
         # softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)

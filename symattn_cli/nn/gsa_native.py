@@ -60,16 +60,21 @@ def _quiet_builder():
 
 
 def _build() -> ModuleType | None:
+    # Loading a cached build takes well under a second; if this takes longer, it compiles.
+    notice = threading.Timer(
+        2.0,
+        lambda: print(
+            "symattn: compiling the C++ attention core (once per version, about 30 s) ...",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
     try:
         with _quiet_builder():
             from torch.utils import cpp_extension
 
-            if not _cached(cpp_extension):
-                print(
-                    "symattn: compiling the C++ attention core (once, about 30 s) ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            notice.start()
             return cpp_extension.load(
                 name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
             )
@@ -84,13 +89,5 @@ def _build() -> ModuleType | None:
             stacklevel=3,
         )
         return None
-
-
-def _cached(cpp_extension) -> bool:
-    """Whether a build of the extension exists in torch's cache (it may still be stale, in
-    which case torch rebuilds it)."""
-    try:
-        root = Path(cpp_extension._get_build_directory(NAME, verbose=False))
-    except Exception:  # a private helper of torch's: if it changes, just say we build
-        return False
-    return any(root.glob(f"{NAME}*.so"))
+    finally:
+        notice.cancel()

@@ -505,12 +505,13 @@ class FactorisedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, group_rho, rho, neighbour, valid = ctx.saved_tensors
         form, n, drop, chunks, seeds, shifts, threads = ctx.args
-        # recomputed, not saved: one product with the q that is saved anyway
-        group_logits = None if group_rho is None else _group_logits(q, group_rho)  # (Z,L,M,G)
+        group_logits = None  # (Z, L, M, G) for chunks to recompute: one product with q
+        if group_rho is not None and not ctx.kept:
+            group_logits = _group_logits(q, group_rho)
         hidden = _hidden(valid, chunks, q.dtype)
         # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
-        grad_gl = None if group_logits is None else torch.empty_like(group_logits)
+        grad_gl = None if group_rho is None else q.new_empty(*q.shape[:2], *group_rho.shape[1::-1])
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         native = None if ctx.kept else _native_loops(q)
         bounds = [rows.start for rows in chunks] + [q.shape[1]]

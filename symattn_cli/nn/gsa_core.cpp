@@ -40,15 +40,17 @@ Tunables tunables_from(const std::vector<int64_t>& values) {
 // Per-thread buffers that only grow (gsa_core._Scratch). Buffers asked for with zeros() keep
 // their contents between chunks: they are keyed by their trailing shape too, so that a
 // buffer whose off-diagonal zeros a packing relies on is only ever reused by the same packing.
+// reuse=false (chunks kept for the backward) allocates afresh.
 class Scratch {
  public:
-  explicit Scratch(const Tensor& like) : options_(like.options()) {}
+  Scratch(const Tensor& like, bool reuse) : options_(like.options()), reuse_(reuse) {}
 
   Tensor empty(const std::string& name, at::IntArrayRef shape) { return get(name, shape, false); }
   Tensor zeros(const std::string& name, at::IntArrayRef shape) { return get(name, shape, true); }
 
  private:
   Tensor get(const std::string& name, at::IntArrayRef shape, bool zeros) {
+    if (!reuse_) return zeros ? at::zeros(shape, options_) : at::empty(shape, options_);
     std::string key = name + "/" + std::string(c10::toString(options_.dtype().toScalarType()));
     if (zeros) {
       for (size_t i = 1; i < shape.size(); ++i) key += "," + std::to_string(shape[i]);
@@ -63,6 +65,7 @@ class Scratch {
   }
 
   at::TensorOptions options_;
+  bool reuse_;
 };
 
 // The ATen out= functions take the output by non-const reference; scratch views are values.
@@ -390,18 +393,35 @@ Inputs inputs_from(Tensor q, Tensor k, Tensor v, OptTensor group_logits, OptTens
           std::move(bounds), tunables_from(tunables)};
 }
 
+// Chunks kept from the forward for the backward (recompute=False), by chunk index.
+struct KeptChunks {
+  std::map<int64_t, Chunk> chunks;
+};
+using Kept = std::shared_ptr<KeptChunks>;
+
+Chunk* find_kept(const std::vector<Kept>& kept, int64_t i) {
+  for (const Kept& part : kept) {
+    if (!part) continue;
+    auto where = part->chunks.find(i);
+    if (where != part->chunks.end()) return &where->second;
+  }
+  return nullptr;
+}
+
 // Forward of chunks ``indices`` into out (Z, L, V, d); returns, per chunk, whether its
-// softmaxes needed the shift (gsa_core.FactorisedAttention.forward's run).
-std::vector<bool> forward_chunks(Tensor q, Tensor k, Tensor v, OptTensor group_logits,
-                                 OptTensor rho, Tensor neighbour, std::vector<OptTensor> hidden,
-                                 bool single, int64_t n, double drop, std::vector<int64_t> seeds,
-                                 std::vector<int64_t> bounds, const std::vector<int64_t>& indices,
-                                 Tensor out, const std::vector<int64_t>& tunables) {
+// softmaxes needed the shift, and with ``keep`` the chunks for the backward (else None)
+// (gsa_core.FactorisedAttention.forward's run).
+std::tuple<std::vector<bool>, Kept> forward_chunks(
+    Tensor q, Tensor k, Tensor v, OptTensor group_logits, OptTensor rho, Tensor neighbour,
+    std::vector<OptTensor> hidden, bool single, int64_t n, double drop,
+    std::vector<int64_t> seeds, std::vector<int64_t> bounds, const std::vector<int64_t>& indices,
+    Tensor out, bool keep, const std::vector<int64_t>& tunables) {
   at::NoGradGuard no_grad;
   const Inputs in = inputs_from(std::move(q), std::move(k), std::move(v), std::move(group_logits),
                                 std::move(rho), std::move(neighbour), std::move(hidden), single,
                                 n, drop, std::move(seeds), std::move(bounds), tunables);
-  Scratch scratch(in.q);
+  Scratch scratch(in.q, !keep);
+  Kept kept = keep ? std::make_shared<KeptChunks>() : nullptr;
   std::vector<bool> shifts;
   for (const int64_t i : indices) {
     Chunk chunk;
@@ -410,20 +430,23 @@ std::vector<bool> forward_chunks(Tensor q, Tensor k, Tensor v, OptTensor group_l
     shifts.push_back(shifted);
     out.slice(1, chunk.lo, chunk.hi)
         .copy_(chunk.output(in.single, in.n).view({chunk.z, chunk.lc, in.n, chunk.d}));
+    if (kept) kept->chunks.emplace(i, std::move(chunk));
   }
-  return shifts;
+  return {shifts, kept};
 }
 
 // Backward of chunks ``indices`` (consecutive), as gsa_core.FactorisedAttention.backward's
 // run: writes their rows of grad_q and grad_gl; returns the first key row of dk and dv, them
 // (grad_k and grad_v themselves when the first chunk is among them, else a band of key rows
-// to be added in) and this call's sum of d_rho.
+// to be added in) and this call's sum of d_rho. Chunks found in ``kept`` are used as they
+// are, the others recomputed.
 std::tuple<int64_t, Tensor, Tensor, OptTensor> backward_chunks(
     Tensor q, Tensor k, Tensor v, OptTensor group_logits, OptTensor rho, Tensor neighbour,
     std::vector<OptTensor> hidden, bool single, int64_t n, double drop,
     std::vector<int64_t> seeds, std::vector<int64_t> bounds, const std::vector<bool>& shifts,
     const std::vector<int64_t>& indices, const Tensor& grad_out, Tensor grad_q,
-    OptTensor grad_gl, Tensor grad_k, Tensor grad_v, const std::vector<int64_t>& tunables) {
+    OptTensor grad_gl, Tensor grad_k, Tensor grad_v, const std::vector<Kept>& kept,
+    const std::vector<int64_t>& tunables) {
   at::NoGradGuard no_grad;
   const Inputs in = inputs_from(std::move(q), std::move(k), std::move(v), std::move(group_logits),
                                 std::move(rho), std::move(neighbour), std::move(hidden), single,
@@ -440,10 +463,12 @@ std::tuple<int64_t, Tensor, Tensor, OptTensor> backward_chunks(
   }
   OptTensor grad_rho;
   if (in.rho) grad_rho = at::zeros_like(*in.rho);
-  Scratch scratch(in.q);
+  Scratch scratch(in.q, true);  // a kept chunk's own tensors are not in it
   for (const int64_t i : indices) {
-    Chunk ch;
-    build_chunk(ch, in, i, shifts[i], scratch, nullptr);
+    Chunk rebuilt;
+    Chunk* found = find_kept(kept, i);
+    if (!found) build_chunk(rebuilt, in, i, shifts[i], scratch, nullptr);
+    Chunk& ch = found ? *found : rebuilt;
     const int64_t z = ch.z, lc = ch.lc, g = ch.g, m = ch.m, j = ch.j, d = ch.d, p = ch.p;
     auto [d_t, d_c, d_vnb] =
         ch.backward(grad_out.slice(1, ch.lo, ch.hi).reshape({p, in.n, d}), in.single, scratch,
@@ -472,6 +497,7 @@ std::tuple<int64_t, Tensor, Tensor, OptTensor> backward_chunks(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "The chunk loops of symattn's factorised GSA attention core, without the GIL.";
+  py::class_<KeptChunks, Kept>(module, "KeptChunks");
   module.def("forward_chunks", &forward_chunks, py::call_guard<py::gil_scoped_release>());
   module.def("backward_chunks", &backward_chunks, py::call_guard<py::gil_scoped_release>());
 }

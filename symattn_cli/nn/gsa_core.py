@@ -468,18 +468,19 @@ class FactorisedAttention(torch.autograd.Function):
         out = q.new_empty(z, d, n, n_q).permute(0, 3, 2, 1)  # (Z, L, V, d)
         shifts: list[bool] = [False] * len(chunks)
         kept: list[_Chunk | None] = [None] * len(chunks)
-        native = None if keep_chunks else _native_loops(q)
+        native = _native_loops(q)
         bounds = [rows.start for rows in chunks] + [n_q]
 
-        def run(indices: list[int]) -> None:
+        def run(indices: list[int]):
+            """Chunks ``indices``; returns the C++ loops' kept chunks (or None)."""
             if native is not None:
-                found = native.forward_chunks(
+                found, handle = native.forward_chunks(
                     q, k, v, group_logits, rho, neighbour, hidden, form == "single", n, drop,
-                    seeds, bounds, indices, out, _tunables(),
+                    seeds, bounds, indices, out, keep_chunks, _tunables(),
                 )  # fmt: skip
                 for i, shift in zip(indices, found, strict=True):
                     shifts[i] = shift
-                return
+                return handle
             for i in indices:
                 rows = chunks[i]
                 args = (q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],
@@ -493,11 +494,14 @@ class FactorisedAttention(torch.autograd.Function):
                 out[:, rows] = ch.output(form, n).view(z, -1, n, d)
                 if keep_chunks:
                     kept[i] = ch
+            return None
 
-        _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
+        handles = _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
         ctx.save_for_backward(q, k, v, group_rho, rho, neighbour, valid)
         ctx.args = (form, n, drop, chunks, seeds, shifts, threads)
-        ctx.kept = kept if keep_chunks else []
+        # kept chunks: the C++ loops' handles (one per worker) or the Python loops' chunks
+        ctx.kept = [] if not keep_chunks else handles if native is not None else kept
+        ctx.native = native is not None
         return out
 
     @staticmethod
@@ -505,15 +509,19 @@ class FactorisedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, group_rho, rho, neighbour, valid = ctx.saved_tensors
         form, n, drop, chunks, seeds, shifts, threads = ctx.args
+        # Chunks kept by one kind of loop are differentiated by the same kind; without them
+        # (or if the C++ loops that kept them are off now) every chunk is recomputed.
+        native = _native_loops(q) if ctx.native or not ctx.kept else None
+        handles = ctx.kept if native is not None and ctx.native else []
+        python_kept = ctx.kept if not ctx.native else []
         group_logits = None  # (Z, L, M, G) for chunks to recompute: one product with q
-        if group_rho is not None and not ctx.kept:
+        if group_rho is not None and not (handles or python_kept):
             group_logits = _group_logits(q, group_rho)
         hidden = _hidden(valid, chunks, q.dtype)
         # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
         grad_gl = None if group_rho is None else q.new_empty(*q.shape[:2], *group_rho.shape[1::-1])
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        native = None if ctx.kept else _native_loops(q)
         bounds = [rows.start for rows in chunks] + [q.shape[1]]
 
         def run(indices: list[int]):
@@ -526,7 +534,7 @@ class FactorisedAttention(torch.autograd.Function):
                 return native.backward_chunks(
                     q, k, v, group_logits, rho, neighbour, hidden, form == "single", n, drop,
                     seeds, bounds, shifts, indices, grad_out, grad_q, grad_gl, grad_k, grad_v,
-                    _tunables(),
+                    handles, _tunables(),
                 )  # fmt: skip
             lo = 0
             dk, dv = grad_k, grad_v
@@ -538,7 +546,7 @@ class FactorisedAttention(torch.autograd.Function):
             grad_rho = None if rho is None else torch.zeros_like(rho)
             for i in indices:
                 rows = chunks[i]
-                ch = ctx.kept[i] if ctx.kept else None
+                ch = python_kept[i] if python_kept else None
                 if ch is None:
                     ch = _Chunk(
                         q[:, rows], k, v, None if group_logits is None else group_logits[:, rows],

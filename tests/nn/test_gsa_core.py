@@ -260,10 +260,13 @@ def test_packed_small_products_equal_bmm(n, r, c, d, strided, reuse):
 
 def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):
     """Without a backward to come, chunks are dropped as soon as their output is written (peak
-    memory: one chunk); with one and ``recompute=False`` every chunk is kept for it."""
+    memory: one chunk); with one and ``recompute=False`` every chunk is kept for it. (The
+    Python loops' chunks; the C++ loops' kept chunks are compared in test_gsa_native.)"""
     import weakref
 
     import symattn_cli.nn.gsa_core as core
+
+    monkeypatch.setattr(core, "NATIVE", False)
 
     q, k, v, g_rho, rho, nb, valid = _inputs(n_q=6)
     alive: weakref.WeakSet = weakref.WeakSet()

@@ -13,7 +13,7 @@ from symattn_cli.nn.gsa_core import factorised_attention
 from .test_gsa_core import CASES, _inputs
 
 
-def _step(inputs, form, drop, threads, dtype, native):
+def _step(inputs, form, drop, threads, dtype, native, recompute=True):
     """Output and gradients of one forward and backward, with the given chunk loops."""
     q, k, v, g_rho, rho, nb, valid = inputs
     leaves = [
@@ -24,7 +24,15 @@ def _step(inputs, form, drop, threads, dtype, native):
     try:
         torch.manual_seed(5)  # the same dropout seeds for both
         out = factorised_attention(
-            *leaves, nb, valid, form=form, n=rho.shape[0], drop=drop, chunk=2, threads=threads
+            *leaves,
+            nb,
+            valid,
+            form=form,
+            n=rho.shape[0],
+            drop=drop,
+            chunk=2,
+            threads=threads,
+            recompute=recompute,
         )
         out.square().sum().backward()
     finally:
@@ -35,13 +43,15 @@ def _step(inputs, form, drop, threads, dtype, native):
 @pytest.mark.parametrize(("form", "shape"), CASES)
 @pytest.mark.parametrize("drop", [0.0, 0.3])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_native_loops_give_the_python_loops_numbers(form, shape, drop, threads, native):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_native_loops_give_the_python_loops_numbers(form, shape, drop, threads, recompute, native):
     """Same operations in the same order: bit for bit the same outputs and gradients (dropout
-    masks included), in one thread or shared among three."""
+    masks included), in one thread or shared among three, with the chunks recomputed in the
+    backward or kept from the forward."""
     inputs = _inputs(n_q=9, **shape)
     for dtype in (torch.float64, torch.float32):
-        ours = _step(inputs, form, drop, threads, dtype, native=True)
-        python = _step(inputs, form, drop, threads, dtype, native=False)
+        ours = _step(inputs, form, drop, threads, dtype, True, recompute)
+        python = _step(inputs, form, drop, threads, dtype, False, recompute)
         assert ours[1] is not None and ours[1].dtype == dtype  # gradients were computed
         for a, b in zip(ours, python, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
@@ -74,3 +84,30 @@ def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch):
     q, k, v, g_rho, rho, nb, valid = _inputs()
     out = factorised_attention(q, k, v, g_rho, rho, nb, valid, form="sum", n=3, chunk=2)
     assert torch.isfinite(out).all() and gsa_native._STATE == {"module": None}
+
+
+def test_chunks_kept_by_the_cpp_loops_are_used_by_the_backward(monkeypatch):
+    """recompute=False: the forward hands back the C++ loops' chunks and the backward gets
+    them (their values are compared with the Python loops' kept chunks above)."""
+    if gsa_native.load() is None:
+        pytest.skip("the C++ loops are off")
+    q, k, v, g_rho, rho, nb, valid = _inputs(n_q=9)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g_rho, rho)]
+    calls = []
+    real = core.gsa_native.load()
+
+    class Spy:
+        def forward_chunks(self, *args):
+            found, handle = real.forward_chunks(*args)
+            calls.append(("forward", handle is not None))
+            return found, handle
+
+        def backward_chunks(self, *args):
+            calls.append(("backward", len(args[-2])))  # the kept handles passed in
+            return real.backward_chunks(*args)
+
+    monkeypatch.setattr(core, "_native_loops", lambda q: Spy())
+    out = factorised_attention(*leaves, nb, valid, form="sum", n=3, chunk=2, recompute=False)
+    out.sum().backward()
+    assert calls == [("forward", True), ("backward", 1)]
+    assert all(t.grad is not None for t in leaves)

@@ -6,10 +6,15 @@ both give the same values, gradients and dropout masks) without holding the GIL 
 the attention threads then run side by side instead of queueing on it.
 
 The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
-once) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``); later processes load the cached build. ``SYMATTN_NATIVE=0``
-in the environment turns it off. When it cannot be built, a warning names the reason and the
-core keeps its Python loops.
+once per source, torch and Python version) into :func:`build_directory`, under torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later
+processes load the cached build. ``SYMATTN_NATIVE=0`` in the environment turns it off. When
+it cannot be built, a warning names the reason and the core keeps its Python loops.
+
+Builds are serialised by an advisory lock that the system releases when its holder dies, so
+a process killed while compiling does not leave the next one waiting forever (older torch
+versions guard their builds with a lock file that outlives a killed holder; while holding
+ours, any such file is stale and removed).
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def build_directory() -> Path:
+    """Where the extension is built: one folder per torch and Python version (a build is
+    only valid for the torch it was compiled against)."""
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"symattn-{python}-torch{torch.__version__}" / NAME
+
+
 def load() -> ModuleType | None:
     """The compiled extension, building it on the first call of the process if needed;
     None when it is turned off or cannot be built (the caller uses its Python loops)."""
@@ -59,6 +74,20 @@ def _quiet_builder():
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Exclusive among processes building into ``folder``; released by the system if the
+    holder dies. Removes torch's own lock file, which only a dead builder can have left."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "symattn.lock", "w") as handle:
+        if os.name == "posix":  # no fcntl elsewhere: torch's own locking only
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _build() -> ModuleType | None:
     # Loading a cached build takes well under a second; if this takes longer, it compiles.
     notice = threading.Timer(
@@ -71,12 +100,17 @@ def _build() -> ModuleType | None:
     )
     notice.daemon = True
     try:
-        with _quiet_builder():
+        folder = build_directory()
+        with _quiet_builder(), _build_lock(folder):
             from torch.utils import cpp_extension
 
             notice.start()
             return cpp_extension.load(
-                name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
+                name=NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O2"],
+                build_directory=str(folder),
+                verbose=False,
             )
     except Exception as error:  # a missing compiler or ninja, a failed build
         reason = " ".join(str(error).split())[:300]

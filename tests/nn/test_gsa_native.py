@@ -70,13 +70,14 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert gsa_native.enabled()
 
 
-def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch):
+def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     def broken(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(gsa_native, "_STATE", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", broken)
     with pytest.warns(RuntimeWarning, match="Ninja is required.*pip install ninja"):
         assert gsa_native.load() is None
@@ -111,3 +112,16 @@ def test_chunks_kept_by_the_cpp_loops_are_used_by_the_backward(monkeypatch):
     out.sum().backward()
     assert calls == [("forward", True), ("backward", 1)]
     assert all(t.grad is not None for t in leaves)
+
+
+def test_the_build_lock_clears_a_lock_file_left_by_a_killed_build(tmp_path):
+    """torch versions that lock builds with a lock file leave it behind when the builder is
+    killed, and every later build would wait for it forever; under the lock taken here (which
+    the system releases when its holder dies) such a file can only be stale."""
+    folder = tmp_path / "build"
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    with gsa_native._build_lock(folder):
+        assert not (folder / "lock").exists()
+    assert gsa_native.build_directory().name == gsa_native.NAME
+    assert torch.__version__ in gsa_native.build_directory().parent.name

@@ -72,7 +72,7 @@ class _Packed:
     transpose of a block-diagonal matrix is block-diagonal). The blocks live in ``scratch``,
     whose zeros stay zero from chunk to chunk: only the diagonal is written. ``mask`` (a's
     shape, or None) multiplies ``a`` on its way in (attention dropout); unpacked, the product
-    goes to the ``"kept"`` buffer, laid out as ``a``'s transpose.
+    goes to the ``"kept"`` buffer.
     """
 
     def __init__(self, a: torch.Tensor, cols: int, scratch: _Scratch, mask=None) -> None:
@@ -82,7 +82,7 @@ class _Packed:
         if a.device.type != "cpu" or f == 1 or n % f or c * r * cols >= SCALAR_BMM_SIZE:
             self.f = 1
             if mask is not None:
-                self.a = torch.mul(a, mask, out=scratch.empty("kept", n, c, r).transpose(1, 2))
+                self.a = torch.mul(a, mask, out=scratch.empty("kept", n, r, c))
             return
         blocks = scratch.zeros("blocks", n // f, f, r, f, c)
         diagonal = blocks.diagonal(dim1=1, dim2=3)  # (n / f, r, c, f)
@@ -348,10 +348,12 @@ class _Chunk:
         else:
             lse = _softmax_(c.view(p * j, m, g), shift, scratch).view(p, j, g)  # c is now pi
             self.pi = c
-            mask = None if self.keep is None else self.keep.view(p * j, m, g).transpose(1, 2)
-            tiny = c.view(p * j, m, g).transpose(1, 2)  # (PJ, G, M); dropout: times the mask
-            self.packed = _Packed(tiny, d, scratch, mask)
-            w = self.packed.bmm(self.v_nb.view(p * j, m, d), scratch.empty("w", p * j, g, d))
+            # (PJ, M, G) as they lie (contiguous runs of G for the packing to copy); W takes
+            # the transposed product. Dropout: times the mask.
+            mask = None if self.keep is None else self.keep.view(p * j, m, g)
+            self.packed = _Packed(c.view(p * j, m, g), d, scratch, mask)
+            w = scratch.empty("w", p * j, g, d)
+            self.packed.bmm(self.v_nb.view(p * j, m, d), w, transpose=True)
         self.w = w.view(p, j * g, d)  # (P, JG, d)
         if hidden is not None:  # neighbours outside the image take no weight: -inf logits
             lse = (lse.view(z, lc, j, g) + hidden[None, :, :, None]).view(p, j, g)
@@ -401,7 +403,7 @@ class _Chunk:
         d_pi = self.scratch.empty("t", p * j, m, g)  # (PJ, M, G); beta is done with
         torch.bmm(self.v_nb.view(p * j, m, d), d_w.transpose(1, 2), out=d_pi)
         d_vnb = self.scratch.empty("v_nb", p * j, m, d)  # (PJ, M, d); d_pi has used v_nb
-        self.packed.bmm(d_w, d_vnb, transpose=True)
+        self.packed.bmm(d_w, d_vnb)
         if self.keep is not None:
             d_pi.mul_(self.keep.view(p * j, m, g))
         # softmax and logsumexp over m: d_c = pi * (d_pi - sum_m pi d_pi + d_lse)

@@ -256,6 +256,10 @@ def test_packed_small_products_equal_bmm(n, r, c, d, strided, reuse):
         result = packed.bmm(b_t, torch.empty(n, c, d, dtype=a.dtype), transpose=True)
         expected = torch.bmm(a.transpose(1, 2), b_t)
         torch.testing.assert_close(result, expected, rtol=1e-15, atol=1e-15)
+        mask = (torch.rand(n, r, c, generator=gen) < 0.7).to(a.dtype)  # dropout on the way in
+        masked = _Packed(a, d, _Scratch(a, reuse), mask)
+        result = masked.bmm(b, torch.empty(n, r, d, dtype=a.dtype))
+        torch.testing.assert_close(result, torch.bmm(a * mask, b), rtol=1e-15, atol=1e-15)
 
 
 def test_inference_keeps_no_chunks_training_keeps_them(monkeypatch):

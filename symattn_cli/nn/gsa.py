@@ -34,8 +34,9 @@ are redrawn from per-chunk seeds) and recomputes each chunk of queries there
 (``chunk_elements`` numbers in its largest tensor; 0 = :data:`AUTO_CHUNK` for the device:
 cache-sized on CPU, large on GPUs).
 
-CPU threads: the chunks are shared among ``attention_threads`` Python threads whose
-operations run single-threaded (0 = torch's thread count, for large enough layers). The
+CPU threads: the chunks are shared among ``attention_threads`` threads, each running its
+chunks in one call into the core's C++ loops (without the GIL), whose operations run
+single-threaded (0 = torch's thread count, for large enough layers). The
 operations outside the attention are small too, and run fastest without OpenMP barriers:
 :func:`share_cpu_threads` (applied by ``symattn train`` and ``symattn benchmark``) gives a
 model's whole CPU thread budget to its attention layers and one thread to torch.
@@ -55,9 +56,9 @@ from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")
 # Numbers in the largest per-chunk tensor: cache-sized on CPU, large on GPUs where every
-# operation is a kernel launch. On 2 cores, 2^19 makes the rotMNIST r4 / r8 nets' steps 10-15%
-# faster than 2^18 (fewer tensor calls for the attention threads to queue on the GIL with) but
-# adds about 20 MB of peak memory (each thread's scratch doubles); gsa_mini is fastest at 2^18.
+# operation is a kernel launch. On 2 cores, with the C++ chunk loops, 2^19 runs the rotMNIST r4
+# net's step no faster than 2^18 (0.300 against 0.301-0.305 s) but with 83 MB of peak memory
+# instead of 66-70 (each thread's buffers double), and gsa_mini 10% slower.
 AUTO_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 26}
 GROUP_INDEX = ("relative", "shifted")
 POSITION_KINDS = ("relative", "none")

@@ -1,8 +1,9 @@
 // The chunk loops of the factorised attention core (gsa_core.py) in C++.
 //
 // The same tensor operations in the same order as the Python loops of gsa_core.py (the
-// docstrings there state the algorithm and the letters: Z, Lc, G, M, J, d, P, e, K, V), so
-// the two give the same numbers. A chunk makes about eighty small tensor calls each way;
+// docstrings there state the algorithm and the letters: Z, Lc, G, M, J, d, P, e, K, V; only
+// the packing's copy into diagonal blocks is a plain loop here), so the two give the same
+// numbers, bit for bit. A chunk makes about eighty small tensor calls each way;
 // from Python every one of them takes the GIL, and the attention threads end up waiting on
 // each other for it. Here a worker makes one call for all of its chunks, without the GIL.
 //

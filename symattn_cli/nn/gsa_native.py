@@ -108,7 +108,7 @@ def _build() -> ModuleType | None:
             return cpp_extension.load(
                 name=NAME,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O2"],
+                extra_cflags=["-O3"],
                 build_directory=str(folder),
                 verbose=False,
             )

@@ -128,7 +128,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     from rich.console import Console
 
     from symattn_cli.bench import report
-    from symattn_cli.bench.measure import matmul_gflops
+    from symattn_cli.bench.measure import attention_loops, matmul_gflops
     from symattn_cli.train.runfile import write_results_file
 
     settings = _settings(cfg, preset)
@@ -151,13 +151,20 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)
+    loops = attention_loops(settings.device)  # builds the C++ core here, not in a timed case
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "
         f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
-        f"; fp32 GEMM {gemm:.1f} GFLOP/s",
+        f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention loops {loops}",
         flush=True,
     )
+    if loops != "c++" and settings.device == "cpu":
+        print(
+            "note: the GSA attention runs its Python loops (SYMATTN_NATIVE=0, or the C++ core "
+            "did not build: see the warning above); its times are not the C++ core's",
+            flush=True,
+        )
     load_before = os.getloadavg()[0]
     cores = os.cpu_count() or 1
     if settings.device == "cpu" and load_before > cores:

@@ -23,6 +23,7 @@ from symattn_cli.bench.suite import (
     select_cases,
 )
 from symattn_cli.errors import ConfigError
+from symattn_cli.nn import gsa_native
 from symattn_cli.train.runfile import read_summary, read_table
 from tests.helpers import read_wandb_file, run_symattn
 
@@ -193,6 +194,8 @@ def test_measure_fresh_runs_in_a_child_process():
     _check_row(row, modes=("train",))
     assert row["runtime_init_mb"] >= 0 and "forward_time_s" not in row
     assert row["omp_wait_policy"] == "PASSIVE" and row["train_cpu_s"] > 0
+    # the child process found the C++ attention core (the test session built it)
+    assert row["attention_loops"] == ("c++" if gsa_native.enabled() else "python")
 
 
 def test_measure_fresh_reports_a_failed_case():
@@ -213,6 +216,7 @@ def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
     assert result.returncode == 0, result.stderr
     path = out / "run.h5"
     assert "growth exponents" in result.stdout and f"run file: {path}" in result.stdout
+    assert "attention loops c++" in result.stdout or not gsa_native.enabled()
 
     cases = read_table(path, "cases")
     n = len(cases["label"])

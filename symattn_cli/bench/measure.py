@@ -347,19 +347,6 @@ def matmul_gflops(*, size: int = 1024, repeats: int = 5, device: Any = None) -> 
 # ---------------------------------------------------------------- one case
 
 
-def attention_loops(device: Any) -> str:
-    """The chunk loops the GSA attention core runs on ``device``: ``"c++"`` (CPU, with the
-    extension built) or ``"python"`` (other devices, ``SYMATTN_NATIVE=0``, or a failed build:
-    the same values, slower)."""
-    import torch
-
-    from symattn_cli.nn import gsa_core, gsa_native
-
-    if torch.device(device).type != "cpu" or not gsa_core.NATIVE:
-        return "python"
-    return "c++" if gsa_native.load() is not None else "python"
-
-
 def prime_runtime(device: Any) -> float:
     """Pay the once-per-process costs (lazy imports, thread pools); returns the RSS growth."""
     import torch
@@ -400,6 +387,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     import torch
 
     from symattn_cli.nn.gsa import share_cpu_threads
+    from symattn_cli.nn.gsa_core import chunk_loops
 
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
@@ -416,7 +404,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         "runtime_init_mb": init_mb,
         "threads": budget,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-        "attention_loops": attention_loops(device),
+        "attention_loops": chunk_loops(device),
         "device": str(device),
     }
     for mode in settings.modes:

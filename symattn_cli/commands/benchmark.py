@@ -128,7 +128,8 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     from rich.console import Console
 
     from symattn_cli.bench import report
-    from symattn_cli.bench.measure import attention_loops, matmul_gflops
+    from symattn_cli.bench.measure import matmul_gflops
+    from symattn_cli.nn.gsa_core import chunk_loops
     from symattn_cli.train.runfile import write_results_file
 
     settings = _settings(cfg, preset)
@@ -151,7 +152,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)
-    loops = attention_loops(settings.device)  # builds the C++ core here, not in a timed case
+    loops = chunk_loops(settings.device)  # builds the C++ core here, not in a timed case
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "

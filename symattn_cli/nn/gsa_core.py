@@ -134,6 +134,15 @@ def _native_loops(q: torch.Tensor):
     return gsa_native.load()
 
 
+def chunk_loops(device) -> str:
+    """The chunk loops a (float32) call on ``device`` runs: ``"c++"`` (CPU, with the extension
+    built) or ``"python"`` (other devices, ``SYMATTN_NATIVE=0``, under :func:`plain_products`,
+    or a failed build: the same values, slower)."""
+    if torch.device(device).type != "cpu":  # without allocating on it
+        return "python"
+    return "python" if _native_loops(torch.empty(0)) is None else "c++"
+
+
 def _tunables() -> list[int]:
     """The size thresholds the C++ loops read (in the order they take them)."""
     return [PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, SCALAR_BMM_SIZE]

@@ -204,22 +204,15 @@ struct Packed {
       if (mask.defined()) a = mul_into(scratch.empty("kept", {n, r, c}), tiny, mask);
       return;
     }
+    // pi and the dropout mask, as the chunk lays them out
+    TORCH_CHECK(tiny.is_contiguous() && (!mask.defined() || mask.is_contiguous()),
+                "packing takes contiguous matrices");
     Tensor blocks = scratch.zeros("blocks", {n / ff, ff, r, ff, c});
-    if (tiny.is_contiguous() && (!mask.defined() || mask.is_contiguous())) {
-      AT_DISPATCH_FLOATING_TYPES(tiny.scalar_type(), "pack_blocks", [&] {
-        pack_blocks<scalar_t>(blocks.data_ptr<scalar_t>(), tiny.const_data_ptr<scalar_t>(),
-                              mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr,
-                              n / ff, ff, r, c);
-      });
-    } else {
-      Tensor diagonal = blocks.diagonal(0, 1, 3);  // (n / f, r, c, f)
-      const Tensor in = tiny.view({n / ff, ff, r, c}).permute({0, 2, 3, 1});  // (n / f, r, c, f)
-      if (mask.defined()) {
-        mul_into(diagonal, in, mask.view({n / ff, ff, r, c}).permute({0, 2, 3, 1}));
-      } else {
-        diagonal.copy_(in);
-      }
-    }
+    AT_DISPATCH_FLOATING_TYPES(tiny.scalar_type(), "pack_blocks", [&] {
+      pack_blocks<scalar_t>(blocks.data_ptr<scalar_t>(), tiny.const_data_ptr<scalar_t>(),
+                            mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr, n / ff,
+                            ff, r, c);
+    });
     a = blocks.view({n / ff, ff * r, ff * c});
     f = ff;
   }

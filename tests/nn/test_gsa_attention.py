@@ -85,6 +85,30 @@ def test_local_with_large_patch_equals_global(form):
     with torch.no_grad():
         assert torch.allclose(local(x), glob(x), atol=1e-12)
         assert torch.equal(local(x, crop=1), local(x)[..., 1:-1, 1:-1])
+    # Most of a 9 x 9 neighbourhood lies outside a 5 x 5 image; those neighbours are clamped
+    # to pixels inside and must take no gradient either.
+    weights = torch.randn(2, 6, 8, 5, 5, dtype=torch.float64)
+    (a,) = torch.autograd.grad((local(x.requires_grad_()) * weights).sum(), x)
+    (b,) = torch.autograd.grad((glob(x) * weights).sum(), x)
+    assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_group_encoding_spans_every_channel_without_positional_encoding():
+    """``position="none"``: rho_H is dotted with all d channels of q, and the layer stays
+    exactly equivariant (float64) for every element of the group."""
+    g = get_group("z4m")
+    layer = GroupSelfAttention(
+        group=g, in_channels=3, out_channels=6, heads=2, patch_size=3, position="none"
+    ).double()
+    assert layer.group_embedding.shape == (g.order, layer.head_dim)
+    torch.nn.init.normal_(layer.group_embedding)
+    x = torch.randn(2, 3, g.order, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        y = layer(x)
+        for e in g.grid_exact_elements():
+            moved = layer(g.act_on_group_function(e, x, (0, 0)))
+            err = (moved - g.act_on_group_function(e, y, (0, 0))).abs().max()
+            assert err <= 1e-10 * y.abs().max(), (e, err)
 
 
 def test_checkpointed_gradients_match():

@@ -126,7 +126,7 @@ def train(cfg: Any) -> dict[str, float]:
         mode=cfg.logger.mode if world.is_main else "disabled",
         run_id=state.get("tracker_id") if state else None,
     )
-    exit_code = 1
+    exit_code, draw, curves = 1, False, None
     try:
         with Progress(settings.progress if world.is_main else "none") as progress:
             trainer = Trainer(
@@ -146,29 +146,54 @@ def train(cfg: Any) -> dict[str, float]:
         run_file.set_summary(summary)
         run_file.set_status("finished")
         tracker.summary(summary)
-        exit_code = 0
+        exit_code, draw = 0, True
     except DivergedError:
         run_file.set_status("diverged")
+        draw = True  # worth a look: where the loss went
         raise
     except BaseException:
         run_file.set_status("failed")
         raise
     finally:
         run_file.close()
+        if world.is_main and draw:
+            title = f"{type(model).__name__} on {data_name(cfg)}: {run_file.path.parent.name}"
+            curves = _draw_curves(run_file.path, tracker, title)
         tracker.finish(exit_code=exit_code)
         shutdown(world)
     if world.is_main:
-        _report(summary, run_file.path)
+        _report(summary, run_file.path, curves)
     return summary
 
 
-def _report(summary: dict[str, float], path: Path) -> None:
+def _draw_curves(path: Path, tracker, title: str) -> Path | None:
+    """``curves.png`` next to the run file, also sent to W&B. A plotting failure only warns:
+    the run and its file are complete without it."""
+    from symattn_cli.train.curves import plot_run
+
+    try:
+        image = plot_run(path, title=title)
+    except Exception as err:  # noqa: BLE001 - matplotlib/font problems must not fail a run
+        print(f"symattn: learning curves not drawn ({err}); run file: {path}", file=sys.stderr)
+        return None
+    if image is not None:
+        tracker.log_image("curves", image)
+    return image
+
+
+def data_name(cfg: Any) -> str:
+    variant = cfg.data.get("variant")
+    return f"{cfg.data.name} ({variant})" if variant else cfg.data.name
+
+
+def _report(summary: dict[str, float], path: Path, curves: Path | None) -> None:
     scores = ", ".join(
         f"{key} {value:.4f}"
         for key, value in summary.items()
         if key.startswith("test") and key.endswith(("acc", "exact"))
     )
-    print(f"{scores}\nrun file: {path}", flush=True)
+    lines = [scores, f"run file: {path}"] + ([f"curves: {curves}"] if curves else [])
+    print("\n".join(lines), flush=True)
 
 
 def _task(cfg: Any) -> None:

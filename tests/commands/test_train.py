@@ -30,6 +30,8 @@ def test_train_writes_run_file_and_offline_wandb(workdir):
     path = only_run_file(workdir / "outputs")
     assert "test_acc" in result.stdout and f"run file: {path}" in result.stdout
     assert "epoch 2/2" in result.stdout  # plain progress, one line per epoch
+    assert f"curves: {path.parent / 'curves.png'}" in result.stdout
+    assert (path.parent / "curves.png").stat().st_size > 10_000
     assert read_status(path) == "finished"
     summary = read_summary(path)
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["best_epoch"] in (1.0, 2.0)
@@ -47,6 +49,7 @@ def test_train_writes_run_file_and_offline_wandb(workdir):
     epochs = [row for row in records["history"] if "val/acc" in row]
     assert [row["epoch"] for row in epochs] == ["1", "2"]
     assert all(float(row["val/loss"]) > 0 for row in epochs)
+    assert any("curves/path" in row for row in records["history"])  # the plot, a W&B image
     final = {k: v for update in records["summary"] for k, v in update.items()}
     assert float(final["test_acc"]) == pytest.approx(summary["test_acc"])
 
@@ -75,6 +78,16 @@ def test_foreign_resume_file_is_clear(workdir):
     result = run_symattn("train", f"resume={foreign}", cwd=workdir)
     assert result.returncode == 2
     assert "not a symattn run file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_diverged_run_says_what_to_change_and_keeps_its_file(workdir):
+    args = [*TINY_TRAIN, "trainer.optimizer=sgd", "trainer.lr=1e30"]
+    result = run_symattn("train", *args, cwd=workdir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "loss became nan" in result.stderr and "Lower trainer.lr" in result.stderr
+    path = only_run_file(workdir / "outputs")
+    assert read_status(path) == "diverged"
+    assert not (path.parent / "curves.png").exists()  # no finished epoch to draw
 
 
 KILL_ARGS = [*TINY_TRAIN, "data.num_train=320", "trainer.epochs=4", "trainer.log_every_steps=2"]

@@ -1,0 +1,102 @@
+"""Learning curves of a run: ``curves.png`` next to its ``run.h5``.
+
+Three panels against epochs: losses (the logged optimiser steps thin, the epoch means of
+training and validation with markers), the scores (accuracy, and exact answers for token
+tasks) with the test score marked after the last epoch, and the learning rate. Drawn with the
+Agg backend from the run file alone, so it works for finished, diverged and killed runs, and
+while a run is still writing its file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+CURVES_FILE = "curves.png"
+SCORES = ("acc", "exact")
+SPLIT_STYLE = {"train": ("tab:blue", "o"), "val": ("tab:orange", "s"), "test": ("tab:red", "*")}
+
+
+def step_epochs(steps: np.ndarray, epochs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Fractional epochs of optimiser steps, from the steps at which the epochs ended."""
+    ends = np.concatenate([[0.0], epochs["step"]])
+    marks = np.concatenate([[0.0], epochs["epoch"]])
+    if len(ends) < 2 or ends[-1] <= 0:
+        return np.asarray(steps, dtype=float)
+    return np.interp(steps, ends, marks, right=math.nan)
+
+
+def plot_learning_curves(
+    epochs: Mapping[str, np.ndarray],
+    steps: Mapping[str, np.ndarray],
+    summary: Mapping[str, float],
+    path: Path,
+    title: str = "",
+) -> Path | None:
+    """Write the learning curves to ``path``; ``None`` (nothing written) before any epoch."""
+    if len(epochs.get("epoch", ())) == 0:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_score, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.6))
+    x = epochs["epoch"]
+    last = float(x[-1])
+    if len(steps.get("step", ())):
+        ax_loss.plot(step_epochs(steps["step"], epochs), steps["loss"], color="0.75", lw=0.8,
+                     label="train (logged steps)")  # fmt: skip
+        ax_lr.plot(step_epochs(steps["step"], epochs), steps["lr"], color="0.4", lw=1.0)
+    else:
+        ax_lr.plot(x, epochs["lr"], color="0.4", marker=".")
+    for split in ("train", "val"):
+        colour, marker = SPLIT_STYLE[split]
+        ax_loss.plot(x, epochs[f"{split}_loss"], color=colour, marker=marker, ms=3, label=split)
+        for score in SCORES:
+            if f"{split}_{score}" in epochs:
+                style = "-" if score == "acc" else "--"
+                ax_score.plot(x, epochs[f"{split}_{score}"], style, color=colour, marker=marker,
+                              ms=3, label=f"{split} {score}")  # fmt: skip
+    colour, marker = SPLIT_STYLE["test"]
+    for score in SCORES:
+        value = summary.get(f"test_{score}", math.nan)
+        if math.isfinite(value):
+            ax_score.plot([last], [value], marker, color=colour, ms=10,
+                          label=f"test {score} {value:.4f}")  # fmt: skip
+    value = summary.get("test_loss", math.nan)
+    if math.isfinite(value):
+        ax_loss.plot([last], [value], marker, color=colour, ms=10, label=f"test {value:.4f}")
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("loss")
+    ax_score.set_ylabel("score")
+    ax_score.set_ylim(-0.02, 1.02)
+    ax_lr.set_ylabel("learning rate")
+    for ax in (ax_loss, ax_score, ax_lr):
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    ax_loss.legend(fontsize=7)
+    ax_score.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_file: Path, title: str = "") -> Path | None:
+    """The learning curves of ``run_file``, written as ``curves.png`` in its directory."""
+    from symattn_cli.train.runfile import read_metrics, read_summary
+
+    run_file = Path(run_file)
+    return plot_learning_curves(
+        read_metrics(run_file, "epoch"),
+        read_metrics(run_file, "step"),
+        read_summary(run_file),
+        run_file.parent / CURVES_FILE,
+        title=title,
+    )

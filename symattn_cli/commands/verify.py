@@ -3,8 +3,9 @@
 With no arguments: every group and GSA layer kind, plain self-attention (GSA-Nets Props.
 4.1-4.3) and knowledge attention (orthogonal and permutation laws), float64, with negative
 controls shown as expected failures. ``checkpoint=<run dir or run.h5>`` checks a trained model.
-Writes a rich table, ``verify.h5`` (table ``checks``), a W&B run and ``errors.png``; exits 1
-when an exact check fails or a negative control does not.
+Writes a rich table, ``verify.h5`` (table ``checks``), a W&B run and ``errors.png`` (with a
+checkpoint of a GSA-Net also ``attention.png``, its lifting layer's attention maps over the
+group); exits 1 when an exact check fails or a negative control does not.
 """
 
 from __future__ import annotations
@@ -135,6 +136,31 @@ def plot(rows: Sequence[Check], path: Path) -> Path:
     return path
 
 
+def draw_attention(cfg: Any, directory: Path) -> Path | None:
+    """``attention.png``: the checkpoint's lifting-layer attention on its first test image and
+    on that image turned (see :mod:`symattn_cli.verify.attention_maps`); ``None`` for models
+    without a local lifting layer."""
+    import torch
+
+    from symattn_cli.commands.train import locate_run_file
+    from symattn_cli.verify.attention_maps import (
+        ATTENTION_FILE,
+        lifting_attention_maps,
+        lifting_layer,
+        plot_attention_maps,
+    )
+    from symattn_cli.verify.checkpoint import checkpoint_images, load_trained
+
+    path = locate_run_file(cfg.checkpoint)
+    model, data, _ = load_trained(path, resolve_path(cfg.data_root))
+    if data.spec.task != "classify" or lifting_layer(model) is None:
+        return None
+    image = checkpoint_images(data, resolve_path(cfg.data_root), 1).to(torch.float64)
+    maps = lifting_attention_maps(model.to(torch.float64), image)
+    title = f"{path.parent.name}: first test image"
+    return plot_attention_maps(maps, directory / ATTENTION_FILE, title=title)
+
+
 def verify(cfg: Any) -> list[Check]:
     from symattn_cli.train.runfile import write_results_file
 
@@ -160,6 +186,7 @@ def verify(cfg: Any) -> list[Check]:
         summary=summary,
     )
     figure = plot(rows, directory / "errors.png") if cfg.plot else None
+    attention = draw_attention(cfg, directory) if cfg.plot and cfg.checkpoint else None
     tracker = start_run_tracker(
         cfg, directory, name=f"verify-{directory.name}", job_type="verify-equivariance"
     )
@@ -167,6 +194,8 @@ def verify(cfg: Any) -> list[Check]:
         tracker.log_table("checks", [r.row() for r in rows])
         if figure is not None:
             tracker.log_image("errors", figure)
+        if attention is not None:
+            tracker.log_image("attention", attention)
         tracker.summary(summary)
     finally:
         tracker.finish()
@@ -174,7 +203,7 @@ def verify(cfg: Any) -> list[Check]:
         f"{summary['checks']} checks, {summary['failures']} failed, "
         f"{summary['expected_failures']} negative controls failed as expected, "
         f"{summary['measured_only']} approximate (measured) in {elapsed:.1f} s\n"
-        f"results: {path}",
+        f"results: {path}" + (f"\nattention maps: {attention}" if attention else ""),
         flush=True,
     )
     if failures:

@@ -174,11 +174,16 @@ def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int,
     model, data, config = load_trained(path, data_root)
     if data.spec.task == "tokens":
         return knowledge_checks(model, data, seed=seed)
+    return image_checks(model, checkpoint_images(data, data_root, limit), dtype=dtype)
+
+
+def checkpoint_images(data: Any, data_root: Path, limit: int) -> torch.Tensor:
+    """Up to ``limit`` test images ``(B, C, H, W)`` for an image model: real rotated digits
+    (the test split of rotmnist_mini) for one-channel models, else the run's own test split."""
     from symattn_cli.data.registry import build_data
 
-    # Real rotated digits: the test split of rotmnist_mini (a rotMNIST-style model's data).
-    digits = build_data({"name": "rotmnist_mini", "kind": "image"}, data_root).test
-    if data.spec.in_channels != 1:
+    if data.spec.in_channels == 1:
+        digits = build_data({"name": "rotmnist_mini", "kind": "image"}, data_root).test
+    else:
         digits = data.test
-    images = torch.stack([digits[i][0] for i in range(min(limit, len(digits)))])
-    return image_checks(model, images, dtype=dtype)
+    return torch.stack([digits[i][0] for i in range(min(limit, len(digits)))])

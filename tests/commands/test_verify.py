@@ -95,6 +95,8 @@ def test_checkpoint_of_a_trained_gsa_model(workdir):
     assert np.any(agreement & (table["expect"] == "approximate"))  # 45°, 30° measured
     layers = np.char.startswith(table["layer"].astype(str), "trained ")
     assert layers.sum() > 4 and np.all(table["rel_err"][layers] <= 1e-10)
+    assert f"attention maps: {out / 'attention.png'}" in result.stdout
+    assert (out / "attention.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
@@ -112,6 +114,7 @@ def test_checkpoint_of_a_trained_knowledge_model(workdir):
                          f"hydra.run.dir={out}", cwd=workdir)  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
     table = read_table(out / "verify.h5", "checks")
+    assert not (out / "attention.png").exists()  # no lifting layer to show
     rows = dict(zip(table["layer"].tolist(), table["rel_err"].tolist(), strict=True))
     assert rows["embedding + knowledge rotated"] <= 1e-10  # logits unchanged
     assert rows["same prediction on test split"] == 0.0  # 100% of predictions unchanged

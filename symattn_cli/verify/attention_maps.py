@@ -1,0 +1,155 @@
+"""Attention maps over the group: where a GSA-Net's lifting layer looks, per output element.
+
+For one query pixel of an image the lifting layer has one P x P attention map per output
+group element v (GSA-Nets Eq. 14: the positional encoding is read through v^-1). Turning the
+image by u moves the query to u.pixel, and there its map for u v is the map for v turned by
+u: the attention itself is equivariant, not only the output. The figure shows both rows and
+the largest difference between them, measured, in its title.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from symattn_cli.groups import Group
+from symattn_cli.nn.gsa import GroupSelfAttention
+
+ATTENTION_FILE = "attention.png"
+
+
+@dataclass
+class AttentionMaps:
+    """Head-averaged lifting-layer attention of one query, before and after a turn ``u``."""
+
+    group: Group
+    image: torch.Tensor  # (H, W): the lifting layer's input (first channel)
+    pixel: tuple[int, int]
+    maps: torch.Tensor  # (V, P, P): the query's map for each output element v
+    element: int | None  # u, or None for a group with no element besides the identity
+    moved_image: torch.Tensor | None  # (H, W): L_u image
+    moved_pixel: tuple[int, int] | None  # u.pixel
+    moved_maps: torch.Tensor | None  # (V, P, P): column v holds the map for u v
+    max_difference: float  # max |moved_maps[v] - L_u maps[v]| over v and offsets
+
+
+def lifting_layer(model: nn.Module) -> GroupSelfAttention | None:
+    """The model's first local lifting self-attention layer, if it has one."""
+    for module in model.modules():
+        if isinstance(module, GroupSelfAttention) and module.lifting:
+            return module if module.patch_size is not None else None
+    return None
+
+
+def turning_element(group: Group) -> int | None:
+    """The element the figure applies: a quarter turn if the group has one, else the first
+    other element that acts exactly on the pixel grid (a reflection), else ``None``."""
+    exact = [e for e in group.grid_exact_elements() if e != group.identity]
+    turns = [e for e in exact if not group.is_reflection(e)]
+    return min(turns, key=group.angle) if turns else (exact[0] if exact else None)
+
+
+def _layer_input(model: nn.Module, layer: nn.Module, image: torch.Tensor) -> torch.Tensor:
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            model(image)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def busiest_pixel(x: torch.Tensor, patch_size: int) -> tuple[int, int]:
+    """The pixel whose P x P neighbourhood holds the most input (on a digit's stroke, not in
+    the empty background, where every key is the same and the attention is flat)."""
+    mass = x.abs().sum(1, keepdim=True)  # (1, 1, H, W)
+    box = nn.functional.avg_pool2d(mass, patch_size, stride=1, padding=patch_size // 2)
+    return divmod(int(box.flatten().argmax()), x.shape[-1])
+
+
+def _head_mean(layer: GroupSelfAttention, x: torch.Tensor, pixel) -> torch.Tensor:
+    return layer.attention_weights(x, pixel)[:, :, 0, :, :, 0].mean(0)  # (V, P, P)
+
+
+def lifting_attention_maps(
+    model: nn.Module, image: torch.Tensor, pixel: tuple[int, int] | None = None
+) -> AttentionMaps:
+    """The maps of ``model``'s lifting layer for ``image`` ``(1, C, H, W)`` at ``pixel`` (by
+    default :func:`busiest_pixel` of the layer's input), and for the image turned by
+    :func:`turning_element`."""
+    layer = lifting_layer(model)
+    if layer is None:
+        raise ValueError("the model has no local lifting self-attention layer to show")
+    group = layer.group
+    model = model.eval()
+    x = _layer_input(model, layer, image)  # (1, C, H, W) as the layer sees it
+    height, width = x.shape[-2:]
+    pixel = pixel or busiest_pixel(x, layer.patch_size)
+    maps = _head_mean(layer, x, pixel)
+    u = turning_element(group)
+    if u is None:
+        return AttentionMaps(group, x[0, 0], pixel, maps, None, None, None, None, 0.0)
+    moved_x = _layer_input(model, layer, group.act_on_grid(u, image))
+    spot = torch.zeros(height, width)
+    spot[pixel] = 1.0
+    moved_pixel = divmod(int(group.act_on_grid(u, spot).argmax()), width)
+    moved = _head_mean(layer, moved_x, moved_pixel)
+    moved = moved[group.cayley[u]]  # column v: the map for u v
+    difference = (moved - group.act_on_grid(u, maps)).abs().max().item()
+    return AttentionMaps(group, x[0, 0], pixel, maps, u, moved_x[0, 0], moved_pixel, moved,
+                         difference)  # fmt: skip
+
+
+def plot_attention_maps(result: AttentionMaps, path: Path, title: str = "") -> Path:
+    """One row per input (the image, then the turned image): the input with the query and its
+    neighbourhood marked, then the query's map for each output element."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    group = result.group
+    rows = [(result.image, result.pixel, result.maps, "v")]
+    if result.element is not None:
+        u = group.describe(result.element)
+        rows.append((result.moved_image, result.moved_pixel, result.moved_maps, f"{u}·v"))
+    n = group.order
+    p = result.maps.shape[-1]
+    fig, axes = plt.subplots(len(rows), n + 1, figsize=(1.5 * (n + 1), 1.9 * len(rows) + 1.0),
+                             squeeze=False)  # fmt: skip
+    low = float(min(r[2].min() for r in rows))
+    top = float(max(r[2].max() for r in rows))
+    for axis_row, (image, pixel, maps, label) in zip(axes, rows, strict=True):
+        ax = axis_row[0]
+        ax.imshow(image.detach().cpu().float().numpy(), cmap="gray")
+        ax.add_patch(Rectangle((pixel[1] - p / 2, pixel[0] - p / 2), p, p, fill=False,
+                               edgecolor="tab:red", lw=1))  # fmt: skip
+        ax.plot(pixel[1], pixel[0], "+", color="tab:red", ms=6)
+        ax.set_title("input", fontsize=8)
+        for v in range(n):
+            ax = axis_row[v + 1]
+            ax.imshow(maps[v].detach().cpu().float().numpy(), cmap="viridis", vmin=low, vmax=top)
+            shown = v if label == "v" else group.multiply(result.element, v)
+            ax.set_title(f"{label} = {group.describe(shown)}", fontsize=6)
+        for ax in axis_row:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    lines = [f"{group.name} lifting attention of the marked query (mean over heads) for each "
+             f"output element v; colours {low:.3f} to {top:.3f}"]  # fmt: skip
+    if result.element is not None:
+        u = group.describe(result.element)
+        lines.append(f"row 2: the input turned by u = {u}; its map for u·v is row 1's map for v "
+                     f"turned by u (max difference {result.max_difference:.1e})")  # fmt: skip
+    width = max(60, 18 * (n + 1))
+    caption = "\n".join(textwrap.fill(line, width) for line in lines)
+    fig.suptitle(f"{title}\n{caption}" if title else caption, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

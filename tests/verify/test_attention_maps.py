@@ -1,0 +1,49 @@
+"""Attention maps over the group: the lifting layer's maps turn with the input, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from matplotlib.image import imread
+
+import symattn_cli
+from symattn_cli.groups import get_group
+from symattn_cli.verify.attention_maps import (
+    lifting_attention_maps,
+    plot_attention_maps,
+    turning_element,
+)
+from symattn_cli.verify.gsa import randomize_encodings
+
+
+def test_turning_element_prefers_a_quarter_turn():
+    names = {name: get_group(name) for name in ("z2", "mirror", "z4", "r8", "r12", "z4m")}
+    picked = {name: turning_element(g) for name, g in names.items()}
+    assert picked["z2"] is None
+    assert names["mirror"].is_reflection(picked["mirror"])
+    for name in ("z4", "r8", "r12", "z4m"):
+        g = names[name]
+        assert not g.is_reflection(picked[name]) and g.describe(picked[name]) == "rot90"
+
+
+@pytest.mark.parametrize("group", ["z4", "r8", "mirror", "z4m", "z2"])
+def test_maps_of_the_turned_image_are_the_turned_maps(tmp_path, group):
+    torch.manual_seed(0)
+    model = symattn_cli.create_model("gsa_mini", group=group, channels=8, heads=2)
+    model = randomize_encodings(model).double().eval()
+    image = torch.zeros(1, 1, 28, 28, dtype=torch.float64)
+    image[..., 6:20, 9:13] = torch.rand(14, 4, dtype=torch.float64)  # an off-centre stroke
+    maps = lifting_attention_maps(model, image)
+    g = get_group(group)
+    assert maps.maps.shape == (g.order, 3, 3)
+    torch.testing.assert_close(maps.maps.sum((-2, -1)), torch.ones(g.order, dtype=torch.float64))
+    assert maps.maps.std() > 1e-3  # a query on the stroke: not a flat map
+    assert maps.max_difference <= 1e-12
+    if group == "z2":
+        assert maps.element is None and maps.moved_maps is None
+    else:
+        assert maps.moved_pixel != maps.pixel or group == "mirror"
+        # not the trivial case: the maps differ between output elements
+        assert (maps.maps - maps.maps[:1]).abs().max() > 1e-4
+    path = plot_attention_maps(maps, tmp_path / "attention.png", title=group)
+    assert imread(path).shape[1] >= 100 * (g.order + 1)

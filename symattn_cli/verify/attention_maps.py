@@ -105,7 +105,7 @@ def lifting_attention_maps(
                          difference)  # fmt: skip
 
 
-def plot_attention_maps(result: AttentionMaps, path: Path, title: str = "") -> Path:
+def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = "") -> Path:
     """One row per input (the image, then the turned image): the input with the query and its
     neighbourhood marked, then the query's map for each output element."""
     import matplotlib
@@ -113,6 +113,8 @@ def plot_attention_maps(result: AttentionMaps, path: Path, title: str = "") -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
+
+    path = Path(path)
 
     group = result.group
     rows = [(result.image, result.pixel, result.maps, "v")]

@@ -194,8 +194,8 @@ def _missing(root: Path, why: str) -> DataError:
         [f"{ZIP_NAME} (or the two files it holds, {TRAIN_VALID_NAME} and {TEST_NAME})"],
         root / SUBFOLDER,
         why,
-        f"Download {URL} and put it there (or in {root}), or set data.download=true on a "
-        f"machine with network; data.name=rotmnist_mini works offline.",
+        f"Download {URL} and put it there (or in {root}), or run with data.download=true "
+        f"(the default) on a machine with network; data=rotmnist_mini works offline.",
     )
 
 

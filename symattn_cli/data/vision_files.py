@@ -103,8 +103,8 @@ def _mnist_missing(root: Path, why: str) -> DataError:
         MNIST_FILES,
         root / "MNIST" / "raw",
         why,
-        "Put the four (unzipped) idx files there, or set data.download=true on a machine "
-        "with network; data.name=rotmnist_mini works offline.",
+        "Put the four (unzipped) idx files there, or run with data.download=true (the "
+        "default) on a machine with network; data=rotmnist_mini works offline.",
     )
 
 
@@ -171,7 +171,7 @@ def _cifar_missing(root: Path, why: str) -> DataError:
         root / CIFAR_FOLDER,
         why,
         "Unpack cifar-10-python.tar.gz (https://www.cs.toronto.edu/~kriz/cifar.html) in "
-        f"{root}, or set data.download=true on a machine with network.",
+        f"{root}, or run with data.download=true (the default) on a machine with network.",
     )
 
 
@@ -365,8 +365,8 @@ def _pcam_missing(root: Path, why: str) -> DataError:
         names,
         root / PCAM_FOLDER,
         why,
-        "Download them (gunzipped) from https://github.com/basveeling/pcam, or set "
-        "data.download=true on a machine with network and the gdown package.",
+        "Download them (gunzipped) from https://github.com/basveeling/pcam, or run with "
+        "data.download=true (the default) on a machine with network and the gdown package.",
     )
 
 

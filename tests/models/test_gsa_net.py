@@ -8,7 +8,7 @@ import torch
 import symattn_cli
 from symattn_cli.data.base import DataSpec
 from symattn_cli.models.gsa_net import GSANet, build
-from symattn_cli.verify.gsa import layer_equivariance
+from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
 
 ROTMNIST = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist")
 REFERENCE_PARAMS = {
@@ -42,6 +42,35 @@ def test_cifar_and_pcam_architectures_follow_the_data():
 def test_network_logits_are_invariant(group, size):
     records = layer_equivariance(group, "network", image_size=size)
     assert max(r["max_rel"] for r in records) <= 1e-10
+
+
+def _z4m_logit_error(arch: str, size: int, **options) -> float:
+    """Largest relative change of the logits over every element of z4m, float64, with the
+    architecture of ``arch`` at a small width (the maps' sizes are the preset's)."""
+    spec = DataSpec(task="classify", num_classes=2, in_channels=3, image_size=size, arch=arch)
+    torch.manual_seed(0)
+    model = build({"group": "z4m", "channels": 6, "heads": 2, **options}, spec)
+    model = randomize_encodings(model).double().eval()
+    g = model.group
+    x = torch.rand(1, 3, size, size, dtype=torch.float64)
+    with torch.no_grad():
+        reference = model(x)
+        return max(
+            ((model(g.act_on_image(e, x)) - reference).abs().max() / reference.abs().max()).item()
+            for e in g.elements
+        )
+
+
+@pytest.mark.parametrize("arch,size", [("cifar10", 32), ("pcam", 96)])
+def test_cifar_and_pcam_architectures_are_invariant(arch, size):
+    """Every pooled map of these presets is even, so pooling commutes with the group."""
+    assert _z4m_logit_error(arch, size) <= 1e-10
+
+
+def test_reference_pcam_crops_break_invariance():
+    """Negative control: with the reference's PCam crops [0, 2, 1, 1] the maps are
+    96-48-48-24-20-18-9-7-3, and pooling 7x7 to 3x3 drops a row and a column."""
+    assert _z4m_logit_error("pcam", 96, crops=[0, 2, 1, 1]) > 1e-6
 
 
 @pytest.mark.parametrize("group", ["z4", "r8m"])

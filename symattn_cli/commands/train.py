@@ -126,7 +126,7 @@ def train(cfg: Any) -> dict[str, float]:
         mode=cfg.logger.mode if world.is_main else "disabled",
         run_id=state.get("tracker_id") if state else None,
     )
-    exit_code, draw, curves = 1, False, None
+    exit_code, draw, curves, attention = 1, False, None, None
     try:
         with Progress(settings.progress if world.is_main else "none") as progress:
             trainer = Trainer(
@@ -159,10 +159,12 @@ def train(cfg: Any) -> dict[str, float]:
         if world.is_main and draw:
             title = f"{type(model).__name__} on {data_name(cfg)}: {run_file.path.parent.name}"
             curves = _draw_curves(run_file.path, tracker, title)
+            if exit_code == 0:
+                attention = _draw_attention(model, data, run_file.path.parent, tracker, title)
         tracker.finish(exit_code=exit_code)
         shutdown(world)
     if world.is_main:
-        _report(summary, run_file.path, curves)
+        _report(summary, run_file.path, [("curves", curves), ("attention maps", attention)])
     return summary
 
 
@@ -186,13 +188,43 @@ def data_name(cfg: Any) -> str:
     return f"{cfg.data.name} ({variant})" if variant else cfg.data.name
 
 
-def _report(summary: dict[str, float], path: Path, curves: Path | None) -> None:
+def _draw_attention(model, data, directory: Path, tracker, title: str) -> Path | None:
+    """``attention.png``: a GSA-Net's lifting-layer attention over the group for its first
+    test image, at the weights the run tested (see :mod:`symattn_cli.verify.attention_maps`);
+    ``None`` for other models. A failure only warns, as for the curves."""
+    import copy
+
+    import torch
+
+    from symattn_cli.verify.attention_maps import (
+        ATTENTION_FILE,
+        lifting_attention_maps,
+        lifting_layer,
+        plot_attention_maps,
+    )
+
+    if data.spec.task != "classify" or lifting_layer(model) is None or len(data.test) == 0:
+        return None
+    try:
+        probe = copy.deepcopy(model).cpu().to(torch.float64)
+        image = data.test[0][0][None].to(torch.float64)
+        maps = lifting_attention_maps(probe, image)
+        path = plot_attention_maps(maps, directory / ATTENTION_FILE, title=f"{title}, test image 0")
+    except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
+        print(f"symattn: attention maps not drawn ({err})", file=sys.stderr)
+        return None
+    tracker.log_image("attention", path)
+    return path
+
+
+def _report(summary: dict[str, float], path: Path, figures: list[tuple[str, Path | None]]) -> None:
     scores = ", ".join(
         f"{key} {value:.4f}"
         for key, value in summary.items()
         if key.startswith("test") and key.endswith(("acc", "exact"))
     )
-    lines = [scores, f"run file: {path}"] + ([f"curves: {curves}"] if curves else [])
+    lines = [scores, f"run file: {path}"]
+    lines += [f"{name}: {figure}" for name, figure in figures if figure is not None]
     print("\n".join(lines), flush=True)
 
 

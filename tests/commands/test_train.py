@@ -32,6 +32,7 @@ def test_train_writes_run_file_and_offline_wandb(workdir):
     assert "epoch 2/2" in result.stdout  # plain progress, one line per epoch
     assert f"curves: {path.parent / 'curves.png'}" in result.stdout
     assert (path.parent / "curves.png").stat().st_size > 10_000
+    assert not (path.parent / "attention.png").exists()  # a CNN has no attention to draw
     assert read_status(path) == "finished"
     summary = read_summary(path)
     assert 0.0 <= summary["test_acc"] <= 1.0 and summary["best_epoch"] in (1.0, 2.0)

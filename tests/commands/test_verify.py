@@ -84,6 +84,8 @@ def test_checkpoint_of_a_trained_gsa_model(workdir):
                           "trainer.epochs=1", "trainer.max_steps_per_epoch=4",
                           f"hydra.run.dir={run}", cwd=workdir)  # fmt: skip
     assert trained.returncode == 0, trained.stderr
+    # training drew the attention over the group at the tested weights too
+    assert f"attention maps: {run / 'attention.png'}" in trained.stdout
     out = workdir / "check"
     result = run_symattn("verify-equivariance", f"checkpoint={run}", "checkpoint_images=64",
                          "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir)  # fmt: skip

@@ -683,6 +683,11 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
         torch.set_num_threads(threads)
 
 
+def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
+    """float16 / bfloat16 -> float32 (what autocast hands over); anything else as it is."""
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def factorised_attention(
     q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: int, drop: float = 0.0,
     chunk: int, recompute: bool = True, threads: int = 0,
@@ -692,11 +697,22 @@ def factorised_attention(
     Attention dropout zeroes each entry of pi with probability ``drop`` (rounded to a multiple
     of 2^-15); the 1 / (1 - drop) rescaling is applied to the output here, outside the core
     (not to v, so that the core keeps the caller's v for its backward).
+
+    Under autocast (mixed precision) the core runs in float32, forward and backward: its
+    softmax statistics and chunk sums stay out of half precision, and its hand-written
+    backward sees one dtype. The output is float32; the maps around it keep autocast.
     """
     if form not in FORMS:
         raise ValueError(f"form={form!r}; choose one of {FORMS}")
     if not 0.0 <= drop < 1.0:
         raise ValueError(f"attention dropout {drop} must be in [0, 1)")
+    if torch.is_autocast_enabled(q.device.type):  # mixed precision: the core runs in float32
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v, group_rho, rho = (_widen(t) for t in (q, k, v, group_rho, rho))
+            return factorised_attention(
+                q, k, v, group_rho, rho, neighbour, valid, form=form, n=n, drop=drop,
+                chunk=chunk, recompute=recompute, threads=threads,
+            )  # fmt: skip
     drop = round(drop * DROP_STEPS) / DROP_STEPS
     out = FactorisedAttention.apply(
         q, k, v, group_rho, rho, neighbour, valid, form, n, drop, max(int(chunk), 1),

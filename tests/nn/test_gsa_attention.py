@@ -183,7 +183,9 @@ def test_attention_weights_are_the_ones_the_layer_uses(group, kind, form, pixel)
     weights = layer.attention_weights(x, pixel)
     queries = 1 if lifting or form == "single" else g.order
     assert weights.shape == (2, g.order, queries, 5, 5, 1 if lifting else g.order)
-    torch.testing.assert_close(weights.sum((-3, -2, -1)), torch.ones(2, g.order, queries, dtype=torch.float64))
+    torch.testing.assert_close(
+        weights.sum((-3, -2, -1)), torch.ones(2, g.order, queries, dtype=torch.float64)
+    )
     if pixel == (0, 0):  # offsets above or left of the image
         assert weights[..., :2, :, :].abs().max() == 0 and weights[..., :2, :].abs().max() == 0
     with torch.no_grad():
@@ -211,3 +213,32 @@ def test_attention_weights_turn_with_the_input():
         for v in g.elements:
             torch.testing.assert_close(moved[:, g.multiply(u, v)], g.act_on_grid(u, base[:, v]),
                                        rtol=0, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("group", ["r4", "r8"])
+def test_mixed_precision_forward_and_backward(group):
+    """``trainer.amp``: under autocast the attention core runs in float32 and its backward
+    sees one dtype. CPU bfloat16 autocast stands in for CUDA float16 (the same code path);
+    r8's products are unpacked, r4's packed. Gradients follow the float32 ones."""
+    import symattn_cli
+
+    torch.manual_seed(0)
+    model = symattn_cli.create_model("gsa_mini", group=group, channels=8, heads=2)
+    x = torch.randn(4, 1, 28, 28)
+    target = torch.randint(0, 10, (4,))
+
+    def gradients(amp: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+        assert logits.dtype == (torch.bfloat16 if amp else torch.float32)
+        loss = torch.nn.functional.cross_entropy(logits.float(), target)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    loss32, grad32 = gradients(False)
+    loss16, grad16 = gradients(True)
+    assert torch.isfinite(grad16).all()
+    assert abs(loss16 - loss32) <= 0.05 * loss32
+    cosine = torch.nn.functional.cosine_similarity(grad16.float(), grad32, dim=0)
+    assert cosine > 0.98, cosine

@@ -125,6 +125,11 @@ class Trainer:
         self.tracker = tracker
         self.progress = progress or Progress("none")
         self.use_amp = settings.amp and self.device.type == "cuda"
+        if settings.amp and not self.use_amp:
+            self.progress.message(
+                f"trainer.amp=true: mixed precision runs on CUDA only; this {self.device.type} "
+                "run trains in float32"
+            )
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp)
         self.optimizer = self._make_optimizer()
         self.steps_per_epoch = self._steps_per_epoch()

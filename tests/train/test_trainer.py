@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 from symattn_cli.data.base import DataBundle, DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.train.progress import Progress
-from symattn_cli.train.runfile import RunFile, read_metrics, read_state, read_weights
+from symattn_cli.train.runfile import NullRunFile, RunFile, read_metrics, read_state, read_weights
 from symattn_cli.train.settings import TrainSettings
 from symattn_cli.train.tracking import Tracker
 from symattn_cli.train.trainer import DivergedError, Trainer, metric_names
@@ -120,10 +120,17 @@ def test_best_weights_are_selected_on_validation(tmp_path):
     np.testing.assert_array_equal(saved["weight"], trainer.best_state["weight"].numpy())
 
 
-def test_amp_is_ignored_on_cpu(tmp_path):
+def test_amp_is_ignored_on_cpu_and_says_so(tmp_path):
     trainer = make_trainer(tmp_path, amp=True, epochs=1)
     assert trainer.use_amp is False
     trainer.run_file.close()
+    stream = io.StringIO()
+    with Progress("plain", stream=stream) as progress:
+        options = TrainSettings(batch_size=16, device="cpu", amp=True)
+        run_file = NullRunFile()
+        Trainer(nn.Linear(4, 2), bundle(), options, run_file=run_file, tracker=Tracker(None),
+                progress=progress)  # fmt: skip
+    assert "trainer.amp=true: mixed precision runs on CUDA only" in stream.getvalue()
 
 
 def test_bad_settings_name_the_value():

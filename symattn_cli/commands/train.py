@@ -61,6 +61,7 @@ def train(cfg: Any) -> dict[str, float]:
     from symattn_cli.data.registry import build_data
     from symattn_cli.models.registry import build_model
     from symattn_cli.nn.gsa import share_cpu_threads
+    from symattn_cli.train.curves import CURVES_FILE, epoch_plotter
     from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
     from symattn_cli.train.progress import Progress
     from symattn_cli.train.runfile import NullRunFile, RunFile, read_state
@@ -127,6 +128,8 @@ def train(cfg: Any) -> dict[str, float]:
         run_id=state.get("tracker_id") if state else None,
     )
     exit_code, draw, curves, attention = 1, False, None, None
+    title = f"{type(model).__name__} on {data_name(cfg)}: {directory.name}"
+    redraw = epoch_plotter(run_file, directory / CURVES_FILE, title) if world.is_main else None
     try:
         with Progress(settings.progress if world.is_main else "none") as progress:
             trainer = Trainer(
@@ -138,6 +141,7 @@ def train(cfg: Any) -> dict[str, float]:
                 seed=cfg.seed,
                 progress=progress,
                 world=world,
+                on_epoch=redraw,
             )
             if state is not None:
                 trainer.load_state(state)
@@ -157,7 +161,6 @@ def train(cfg: Any) -> dict[str, float]:
     finally:
         run_file.close()
         if world.is_main and draw:
-            title = f"{type(model).__name__} on {data_name(cfg)}: {run_file.path.parent.name}"
             curves = _draw_curves(run_file.path, tracker, title)
             if exit_code == 0:
                 attention = _draw_attention(model, data, run_file.path.parent, tracker, title)

@@ -4,13 +4,15 @@ Three panels against epochs: losses (the logged optimiser steps thin, the epoch 
 training and validation with markers), the scores (accuracy, and exact answers for token
 tasks) with the test score marked after the last epoch, and the learning rate. Drawn with the
 Agg backend from the run file alone, so it works for finished, diverged and killed runs, and
-while a run is still writing its file.
+while a run is still writing its file; ``symattn train`` redraws it after every epoch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import os
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,7 @@ def plot_learning_curves(
     epochs: Mapping[str, np.ndarray],
     steps: Mapping[str, np.ndarray],
     summary: Mapping[str, float],
-    path: Path,
+    path: str | Path,
     title: str = "",
 ) -> Path | None:
     """Write the learning curves to ``path``; ``None`` (nothing written) before any epoch."""
@@ -83,9 +85,33 @@ def plot_learning_curves(
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial.png")
+    fig.savefig(partial, dpi=110)
     plt.close(fig)
+    os.replace(partial, path)  # a viewer never sees a half-written file
     return path
+
+
+def epoch_plotter(run_file, path: Path, title: str = "") -> Callable[[], None]:
+    """A callback for the trainer's ``on_epoch``: redraw ``path`` from the open run file
+    after every epoch, so that a long run's curves can be looked at while it trains. A
+    plotting failure warns once and stops the redrawing; the run goes on."""
+    failed = False
+
+    def draw() -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            epochs, steps = run_file.metrics("epoch"), run_file.metrics("step")
+            plot_learning_curves(epochs, steps, {}, path, title=title)
+        except Exception as err:  # noqa: BLE001 - a plot must not stop training
+            failed = True
+            print(f"symattn: learning curves not drawn ({err}); training goes on",
+                  file=sys.stderr)  # fmt: skip
+
+    return draw
 
 
 def plot_run(run_file: Path, title: str = "") -> Path | None:

@@ -171,6 +171,11 @@ class RunFile:
             value = row.get(name, math.nan)
             dataset[length] = float(value)
 
+    def metrics(self, kind: str) -> dict[str, np.ndarray]:
+        """The rows of ``/metrics/<kind>`` written so far (read through the writer's handle)."""
+        rows = self.num_rows(kind)
+        return {name: d[:rows] for name, d in self._h5[f"metrics/{kind}"].items()}
+
     def num_rows(self, kind: str) -> int:
         group = self._h5[f"metrics/{kind}"]
         return min((d.shape[0] for d in group.values()), default=0)
@@ -229,6 +234,8 @@ class NullRunFile:
         if name in ("append", "flush", "write_weights", "write_state", "truncate",
                     "set_status", "set_summary", "close"):  # fmt: skip
             return lambda *args, **kwargs: None
+        if name == "metrics":
+            return lambda *args, **kwargs: {}
         if name == "rows_until":
             return lambda *args, **kwargs: 0
         raise AttributeError(name)

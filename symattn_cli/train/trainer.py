@@ -108,6 +108,7 @@ class Trainer:
         seed: int = 0,
         progress: Progress | None = None,
         world: World | None = None,
+        on_epoch: Callable[[], None] | None = None,
     ) -> None:
         settings.check()
         self.world = world or World()
@@ -124,6 +125,7 @@ class Trainer:
         self.run_file = run_file
         self.tracker = tracker
         self.progress = progress or Progress("none")
+        self.on_epoch = on_epoch  # called after each epoch's row and state are in the run file
         self.use_amp = settings.amp and self.device.type == "cuda"
         if settings.amp and not self.use_amp:
             self.progress.message(
@@ -341,6 +343,8 @@ class Trainer:
             self.run_file.flush()
             self.tracker.log(_tracker_keys(row), step=self.step)
             self.progress.end_epoch(self.epoch, s.epochs, row)
+            if self.on_epoch is not None:
+                self.on_epoch()
         return self.finish()
 
     def finish(self) -> dict[str, float]:

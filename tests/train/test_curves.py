@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from symattn_cli.train.curves import plot_learning_curves, plot_run, step_epochs
+from symattn_cli.train.curves import epoch_plotter, plot_learning_curves, plot_run, step_epochs
 from symattn_cli.train.runfile import RunFile
 
 
@@ -54,3 +54,41 @@ def test_no_curves_before_the_first_epoch(tmp_path):
     empty = {"epoch": np.array([]), "step": np.array([])}
     assert plot_learning_curves(empty, {}, {}, tmp_path / "curves.png") is None
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_epoch_plotter_draws_from_the_open_run_file(tmp_path):
+    """The trainer's per-epoch callback reads the writer's own handle (no second open)."""
+    path = write_run(tmp_path / "run.h5")
+    run = RunFile.reopen(path)
+    try:
+        epoch_plotter(run, tmp_path / "live.png", title="live")()
+    finally:
+        run.close()
+    assert imread(tmp_path / "live.png").shape[1] > 1000
+    assert not list(tmp_path.glob(".*partial*"))  # written aside, then moved into place
+
+
+def test_epoch_plotter_warns_once_and_lets_training_go_on(tmp_path, capsys):
+    class Broken:
+        calls = 0
+
+        def metrics(self, kind):
+            Broken.calls += 1
+            raise OSError("disk full")
+
+    draw = epoch_plotter(Broken(), tmp_path / "curves.png")
+    draw()
+    draw()
+    assert Broken.calls == 1
+    assert capsys.readouterr().err.count("learning curves not drawn (disk full)") == 1
+
+
+def test_trainer_calls_on_epoch_after_each_epoch(tmp_path):
+    from tests.train.test_trainer import make_trainer
+
+    seen = []
+    trainer = make_trainer(tmp_path, epochs=3)
+    trainer.on_epoch = lambda: seen.append(trainer.run_file.num_rows("epoch"))
+    trainer.fit()
+    trainer.run_file.close()
+    assert seen == [1, 2, 3]  # each call sees its epoch's row already written

@@ -20,7 +20,7 @@ class GSANetConfig:
     block_sizes: list[int] = field(default_factory=list)
     expansion: list[int] = field(default_factory=list)
     crops: list[int] = field(default_factory=list)
-    patch_size: int = 0  # odd P for P x P local attention; 0 = the preset's; -1 = global
+    patch_size: int | None = 0  # odd P: P x P local; 0: the preset's; null or -1: global
     attention_dropout: float = 0.1
     value_dropout: float = 0.1
     input_dropout: float = 0.0

@@ -243,8 +243,8 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         value = options.get(key)
         if value not in _EMPTY or (isinstance(value, bool) and key in options):
             kwargs[key] = value
-    if kwargs["patch_size"] in (0, -1):
-        kwargs["patch_size"] = None  # 0 = global attention
+    if "patch_size" in options and options["patch_size"] in (None, -1):
+        kwargs["patch_size"] = None  # global attention
     return GSANet(
         group=get_group(options.get("group", "z2")),
         in_channels=options.get("in_channels") or spec.in_channels,

@@ -96,7 +96,10 @@ class GroupSelfAttention(nn.Module):
         if not isinstance(group, Group):
             raise TypeError(f"group must be a Group object (use get_group(name)), got {group!r}")
         if patch_size is not None and (patch_size < 1 or patch_size % 2 == 0):
-            raise ValueError(f"patch_size={patch_size} must be odd (or None for global)")
+            raise ValueError(
+                f"patch_size={patch_size} must be odd, or None for global attention "
+                "(model.patch_size=null in a config)"
+            )
         if query_form not in QUERY_FORMS:
             raise ValueError(f"query_form={query_form!r}; choose one of {QUERY_FORMS}")
         if group_index not in GROUP_INDEX:
@@ -176,17 +179,16 @@ class GroupSelfAttention(nn.Module):
     @torch.no_grad()
     def attention_weights(self, x: torch.Tensor, pixel: tuple[int, int]) -> torch.Tensor:
         """The attention probabilities of the query at ``pixel`` = (row, column), computed
-        explicitly (no chunks, no dropout) for inspection and plots; local layers only.
+        explicitly (no chunks, no dropout) for inspection and plots.
 
         ``x``: one image ``(1, C, H, W)`` (lifting) or group feature map ``(1, C, N, H, W)``.
-        Returns ``(heads, V, G, P, P, M)``: for output element v and query element g (G = 1
-        when lifting, and in the single form, where g = v), the weight of the key at
-        neighbourhood offset (row, column) and group element m. Each (head, v, g) sums to 1;
-        neighbours outside the image get 0. With the layer's value and output maps these
-        weights give the layer's output at ``pixel``.
+        Returns ``(heads, V, G, P, P, M)`` for a local layer, ``(heads, V, G, H, W, M)`` for a
+        global one: for output element v and query element g (G = 1 when lifting, and in the
+        single form, where g = v), the weight of the key at neighbourhood offset (row, column),
+        or at that pixel, and group element m. Each (head, v, g) sums to 1; neighbours outside
+        the image get 0. With the layer's value and output maps these weights give the
+        layer's output at ``pixel``.
         """
-        if self.patch_size is None:
-            raise ValueError("attention_weights needs a local layer (patch_size set)")
         x = self._as_group_features(x)  # (1, C, M, H, W)
         if x.shape[0] != 1:
             raise ValueError(f"attention_weights takes one input, got a batch of {x.shape[0]}")
@@ -194,17 +196,27 @@ class GroupSelfAttention(nn.Module):
         row, col = pixel
         if not (0 <= row < height and 0 <= col < width):
             raise ValueError(f"pixel {pixel} is outside the {height}x{width} map")
-        p, r = self.patch_size, self.patch_size // 2
         q, k, _ = self._qkv(x)  # (h, d, M, H, W), q scaled by 1/sqrt(d)
         q = q[..., row, col]  # (h, d, G)
-        k = F.pad(k, (r, r, r, r))[..., row : row + p, col : col + p]  # (h, d, M, P, P)
-        inside = torch.zeros(height + 2 * r, width + 2 * r, dtype=torch.bool, device=x.device)
-        inside[r : r + height, r : r + width] = True
-        inside = inside[row : row + p, col : col + p].reshape(-1)  # (J,)
+        coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device)  # (H, W, 2)
+        if self.patch_size is None:  # every pixel, as _attend_points
+            side = (height, width)
+            offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
+            corner = coords[0, 0] - coords[-1, -1]  # the longest offset between two pixels
+            scale = self.max_offset or float(corner.norm().clamp_min(1.0))
+            inside = None
+        else:  # the P x P neighbourhood, as _attend_local
+            p, r = self.patch_size, self.patch_size // 2
+            side = (p, p)
+            k = F.pad(k, (r, r, r, r))[..., row : row + p, col : col + p]  # (h, d, M, P, P)
+            inside = torch.zeros(height + 2 * r, width + 2 * r, dtype=torch.bool, device=x.device)
+            inside[r : r + height, r : r + width] = True
+            inside = inside[row : row + p, col : col + p].reshape(-1)  # (J,)
+            offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)
+            scale = self.max_offset or max(r, 1)
         k = k.flatten(-2)  # (h, d, M, J)
         logits = torch.einsum("hdg,hdmj->hgjm", q, k)[:, None]  # (h, 1, G, J, M): content
-        offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
-        rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))
+        rho_xy, rho_h = self._encodings(offsets, scale)
         e = self.pos_dim
         if rho_xy is not None:  # (V, J, E) against q's first E channels
             logits = logits + torch.einsum("hdg,vjd->hvgj", q[:, :e], rho_xy)[..., None]
@@ -212,11 +224,12 @@ class GroupSelfAttention(nn.Module):
             rho_h = rho_h if rho_h.dim() == 4 else rho_h[None]
             logits = logits + torch.einsum("hdg,vgmd->hvgm", q[:, e:], rho_h)[:, :, :, None]
         logits = logits.expand(-1, self.group.order, -1, -1, -1)  # (h, V, G, J, M)
-        logits = logits.masked_fill(~inside[:, None], float("-inf"))
+        if inside is not None:
+            logits = logits.masked_fill(~inside[:, None], float("-inf"))
         weights = logits.flatten(-2).softmax(-1).reshape(logits.shape)
         if self.query_form == "single" and not self.lifting:  # g = v
             weights = weights.diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]
-        return weights.reshape(*weights.shape[:3], p, p, weights.shape[-1])
+        return weights.reshape(*weights.shape[:3], *side, weights.shape[-1])
 
     # ------------------------------------------------------------------ encodings
     def _as_group_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,15 @@ def test_batch_norm_network_is_invariant_in_training_and_evaluation(group):
         GSANet(group=g, in_channels=1, num_classes=3, norm="instance")
 
 
+@pytest.mark.parametrize("value", [None, -1])
+def test_global_attention_from_config(value):
+    """``model.patch_size=null`` (or -1) makes every layer global; 0 keeps the preset's."""
+    model = symattn_cli.create_model("r4_sa", patch_size=value)
+    layers = [m for m in model.modules() if hasattr(m, "patch_size")]
+    assert len(layers) == 6 and all(m.patch_size is None for m in layers)
+    assert symattn_cli.create_model("r4_sa", patch_size=0).lifting.patch_size == 5
+
+
 def test_create_model_and_presets():
     model = symattn_cli.create_model("r8_sa")
     assert model.group is symattn_cli.get_group("r8")

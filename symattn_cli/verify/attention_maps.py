@@ -1,10 +1,11 @@
 """Attention maps over the group: where a GSA-Net's lifting layer looks, per output element.
 
-For one query pixel of an image the lifting layer has one P x P attention map per output
-group element v (GSA-Nets Eq. 14: the positional encoding is read through v^-1). Turning the
-image by u moves the query to u.pixel, and there its map for u v is the map for v turned by
-u: the attention itself is equivariant, not only the output. The figure shows both rows and
-the largest difference between them, measured, in its title.
+For one query pixel of an image the lifting layer has one attention map per output group
+element v, P x P (or the whole image, for global attention): GSA-Nets Eq. 14 reads the
+positional encoding through v^-1. Turning the image by u moves the query to u.pixel, and
+there its map for u v is the map for v turned by u: the attention itself is equivariant, not
+only the output. The figure shows both rows and the largest difference between them,
+measured, in its title.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ class AttentionMaps:
     group: Group
     image: torch.Tensor  # (H, W): the lifting layer's input (first channel)
     pixel: tuple[int, int]
-    maps: torch.Tensor  # (V, P, P): the query's map for each output element v
+    maps: torch.Tensor  # (V, P, P), or (V, H, W) when global: the query's map for each v
     element: int | None  # u, or None for a group with no element besides the identity
     moved_image: torch.Tensor | None  # (H, W): L_u image
     moved_pixel: tuple[int, int] | None  # u.pixel
-    moved_maps: torch.Tensor | None  # (V, P, P): column v holds the map for u v
+    moved_maps: torch.Tensor | None  # like maps; column v holds the map for u v
     max_difference: float  # max |moved_maps[v] - L_u maps[v]| over v and offsets
+    patch_size: int | None = None  # the layer's P; None: global attention
 
 
 def lifting_layer(model: nn.Module) -> GroupSelfAttention | None:
-    """The model's first local lifting self-attention layer, if it has one."""
+    """The model's first lifting self-attention layer (local or global), if it has one."""
     for module in model.modules():
         if isinstance(module, GroupSelfAttention) and module.lifting:
-            return module if module.patch_size is not None else None
+            return module
     return None
 
 
@@ -73,7 +75,7 @@ def busiest_pixel(x: torch.Tensor, patch_size: int) -> tuple[int, int]:
 
 
 def _head_mean(layer: GroupSelfAttention, x: torch.Tensor, pixel) -> torch.Tensor:
-    return layer.attention_weights(x, pixel)[:, :, 0, :, :, 0].mean(0)  # (V, P, P)
+    return layer.attention_weights(x, pixel)[:, :, 0, :, :, 0].mean(0)  # (V, P, P) or (V, H, W)
 
 
 def lifting_attention_maps(
@@ -84,16 +86,17 @@ def lifting_attention_maps(
     :func:`turning_element`."""
     layer = lifting_layer(model)
     if layer is None:
-        raise ValueError("the model has no local lifting self-attention layer to show")
+        raise ValueError("the model has no lifting self-attention layer to show")
     group = layer.group
     model = model.eval()
     x = _layer_input(model, layer, image)  # (1, C, H, W) as the layer sees it
     height, width = x.shape[-2:]
-    pixel = pixel or busiest_pixel(x, layer.patch_size)
+    pixel = pixel or busiest_pixel(x, layer.patch_size or 5)
     maps = _head_mean(layer, x, pixel)
     u = turning_element(group)
     if u is None:
-        return AttentionMaps(group, x[0, 0], pixel, maps, None, None, None, None, 0.0)
+        return AttentionMaps(group, x[0, 0], pixel, maps, None, None, None, None, 0.0,
+                             layer.patch_size)  # fmt: skip
     moved_x = _layer_input(model, layer, group.act_on_grid(u, image))
     spot = torch.zeros(height, width)
     spot[pixel] = 1.0
@@ -102,7 +105,7 @@ def lifting_attention_maps(
     moved = moved[group.cayley[u]]  # column v: the map for u v
     difference = (moved - group.act_on_grid(u, maps)).abs().max().item()
     return AttentionMaps(group, x[0, 0], pixel, maps, u, moved_x[0, 0], moved_pixel, moved,
-                         difference)  # fmt: skip
+                         difference, layer.patch_size)  # fmt: skip
 
 
 def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = "") -> Path:
@@ -122,7 +125,7 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
         u = group.describe(result.element)
         rows.append((result.moved_image, result.moved_pixel, result.moved_maps, f"{u}·v"))
     n = group.order
-    p = result.maps.shape[-1]
+    p = result.patch_size
     fig, axes = plt.subplots(len(rows), n + 1, figsize=(1.5 * (n + 1), 1.9 * len(rows) + 1.0),
                              squeeze=False)  # fmt: skip
     low = float(min(r[2].min() for r in rows))
@@ -130,8 +133,9 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
     for axis_row, (image, pixel, maps, label) in zip(axes, rows, strict=True):
         ax = axis_row[0]
         ax.imshow(image.detach().cpu().float().numpy(), cmap="gray")
-        ax.add_patch(Rectangle((pixel[1] - p / 2, pixel[0] - p / 2), p, p, fill=False,
-                               edgecolor="tab:red", lw=1))  # fmt: skip
+        if p is not None:  # global attention: no neighbourhood to mark
+            ax.add_patch(Rectangle((pixel[1] - p / 2, pixel[0] - p / 2), p, p, fill=False,
+                                   edgecolor="tab:red", lw=1))  # fmt: skip
         ax.plot(pixel[1], pixel[0], "+", color="tab:red", ms=6)
         ax.set_title("input", fontsize=8)
         for v in range(n):

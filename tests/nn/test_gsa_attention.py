@@ -155,38 +155,41 @@ def test_swish_is_x_times_sigmoid_in_value_and_gradient():
 def _output_from_weights(layer: GroupSelfAttention, x: torch.Tensor, pixel, weights):
     """The layer's output at ``pixel`` rebuilt from explicit attention weights and values."""
     x = x if x.dim() == 5 else x.unsqueeze(2)  # (1, C, M, H, W)
-    p, r = layer.patch_size, layer.patch_size // 2
     h, d = layer.heads, layer.head_dim
     val = layer.value(x.flatten(3)).reshape(h, d, x.shape[2], *x.shape[-2:])  # (h, d, M, H, W)
-    val = torch.nn.functional.pad(val, (r, r, r, r))[..., pixel[0] : pixel[0] + p,
-                                                      pixel[1] : pixel[1] + p]  # fmt: skip
+    if layer.patch_size is not None:  # the P x P neighbourhood, zeros outside the image
+        p, r = layer.patch_size, layer.patch_size // 2
+        val = torch.nn.functional.pad(val, (r, r, r, r))[..., pixel[0] : pixel[0] + p,
+                                                          pixel[1] : pixel[1] + p]  # fmt: skip
     out = torch.einsum("hvgabm,hdmab->hdv", weights, val)  # (h, d, V)
     return layer.w_out(out.reshape(1, h * d, -1, 1))[0, :, :, 0]  # (C_out, V)
 
 
 @pytest.mark.parametrize(
-    "group,kind,form", [("r8", "lifting", "sum"), ("z4m", "group", "sum"),
-                        ("r4", "group", "single"), ("mirror", "group", "sum")],
+    "group,kind,form,patch",
+    [("r8", "lifting", "sum", 5), ("z4m", "group", "sum", 5), ("r4", "group", "single", 5),
+     ("mirror", "group", "sum", 5), ("r8", "lifting", "sum", None), ("z4m", "group", "sum", None),
+     ("r4", "group", "single", None)],
 )  # fmt: skip
 @pytest.mark.parametrize("pixel", [(0, 0), (3, 2)])
-def test_attention_weights_are_the_ones_the_layer_uses(group, kind, form, pixel):
-    """Weights and values rebuild the layer's output at the pixel (a corner included, where
-    most of the neighbourhood lies outside the image and gets no weight)."""
+def test_attention_weights_are_the_ones_the_layer_uses(group, kind, form, patch, pixel):
+    """Weights and values rebuild the layer's output at the pixel, local and global (a corner
+    included, where most of a local neighbourhood lies outside the image and gets no weight)."""
     torch.manual_seed(1)
     g = get_group(group)
     lifting = kind == "lifting"
-    layer = GroupSelfAttention(group=g, in_channels=3, out_channels=6, heads=2, patch_size=5,
+    layer = GroupSelfAttention(group=g, in_channels=3, out_channels=6, heads=2, patch_size=patch,
                                lifting=lifting, query_form=form)  # fmt: skip
     layer = randomize_encodings(layer).double().eval()
     shape = (1, 3, 6, 5) if lifting else (1, 3, g.order, 6, 5)
     x = torch.randn(shape, dtype=torch.float64)
     weights = layer.attention_weights(x, pixel)
     queries = 1 if lifting or form == "single" else g.order
-    assert weights.shape == (2, g.order, queries, 5, 5, 1 if lifting else g.order)
-    torch.testing.assert_close(
-        weights.sum((-3, -2, -1)), torch.ones(2, g.order, queries, dtype=torch.float64)
-    )
-    if pixel == (0, 0):  # offsets above or left of the image
+    side = (5, 5) if patch else (6, 5)
+    assert weights.shape == (2, g.order, queries, *side, 1 if lifting else g.order)
+    ones = torch.ones(2, g.order, queries, dtype=torch.float64)
+    torch.testing.assert_close(weights.sum((-3, -2, -1)), ones)
+    if pixel == (0, 0) and patch:  # offsets above or left of the image
         assert weights[..., :2, :, :].abs().max() == 0 and weights[..., :2, :].abs().max() == 0
     with torch.no_grad():
         expected = layer(x)[0, :, :, pixel[0], pixel[1]]

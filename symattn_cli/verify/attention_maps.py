@@ -37,6 +37,13 @@ class AttentionMaps:
     moved_maps: torch.Tensor | None  # like maps; column v holds the map for u v
     max_difference: float  # max |moved_maps[v] - L_u maps[v]| over v and offsets
     patch_size: int | None = None  # the layer's P; None: global attention
+    # The first group layer, at the busiest pixel of its input: the weight on key element m
+    # for output element v, (V, M) (mean over heads and query elements, summed over the
+    # neighbours); for the turned input with row v holding u v, which puts on m the weight
+    # of u^-1 m; and the largest difference from that law.
+    group_weights: torch.Tensor | None = None
+    moved_group_weights: torch.Tensor | None = None
+    group_difference: float = 0.0
 
 
 def lifting_layer(model: nn.Module) -> GroupSelfAttention | None:
@@ -55,15 +62,40 @@ def turning_element(group: Group) -> int | None:
     return min(turns, key=group.angle) if turns else (exact[0] if exact else None)
 
 
-def _layer_input(model: nn.Module, layer: nn.Module, image: torch.Tensor) -> torch.Tensor:
-    seen = []
-    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+def group_layer(model: nn.Module) -> GroupSelfAttention | None:
+    """The model's first group self-attention layer (after the lifting), if it has one."""
+    for module in model.modules():
+        if isinstance(module, GroupSelfAttention) and not module.lifting:
+            return module
+    return None
+
+
+def _layer_inputs(model: nn.Module, layers: list[nn.Module], image: torch.Tensor) -> list:
+    """What each of ``layers`` receives when ``model`` sees ``image`` (one forward pass)."""
+    seen: dict[int, torch.Tensor] = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda module, args, i=i: seen.setdefault(i, args[0]))
+        for i, layer in enumerate(layers)
+    ]
     try:
         with torch.no_grad():
             model(image)
     finally:
-        handle.remove()
-    return seen[0]
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in range(len(layers))]
+
+
+def _moved_pixel(group: Group, u: int, pixel: tuple[int, int], shape) -> tuple[int, int]:
+    """u.pixel on a map of ``shape`` (H, W), by the exact grid action itself."""
+    spot = torch.zeros(shape)
+    spot[pixel] = 1.0
+    return divmod(int(group.act_on_grid(u, spot).argmax()), shape[1])
+
+
+def _group_weights(layer: GroupSelfAttention, x: torch.Tensor, pixel) -> torch.Tensor:
+    weights = layer.attention_weights(x, pixel).mean(0)  # (V, G, P, P, M)
+    return weights.sum((2, 3)).mean(1)  # (V, M): each row sums to 1
 
 
 def busiest_pixel(x: torch.Tensor, patch_size: int) -> tuple[int, int]:
@@ -89,28 +121,41 @@ def lifting_attention_maps(
         raise ValueError("the model has no lifting self-attention layer to show")
     group = layer.group
     model = model.eval()
-    x = _layer_input(model, layer, image)  # (1, C, H, W) as the layer sees it
-    height, width = x.shape[-2:]
+    second = group_layer(model)
+    layers = [layer] if second is None else [layer, second]
+    x, *rest = _layer_inputs(model, layers, image)  # as the layers see them
     pixel = pixel or busiest_pixel(x, layer.patch_size or 5)
     maps = _head_mean(layer, x, pixel)
+    weights = None
+    if second is not None:  # group features (1, C, N, H', W'): busiest over C and N
+        gx = rest[0]
+        group_pixel = busiest_pixel(gx.flatten(1, 2), second.patch_size or 5)
+        weights = _group_weights(second, gx, group_pixel)
     u = turning_element(group)
     if u is None:
         return AttentionMaps(group, x[0, 0], pixel, maps, None, None, None, None, 0.0,
-                             layer.patch_size)  # fmt: skip
-    moved_x = _layer_input(model, layer, group.act_on_grid(u, image))
-    spot = torch.zeros(height, width)
-    spot[pixel] = 1.0
-    moved_pixel = divmod(int(group.act_on_grid(u, spot).argmax()), width)
+                             layer.patch_size, weights)  # fmt: skip
+    moved_x, *moved_rest = _layer_inputs(model, layers, group.act_on_grid(u, image))
+    moved_pixel = _moved_pixel(group, u, pixel, x.shape[-2:])
     moved = _head_mean(layer, moved_x, moved_pixel)
     moved = moved[group.cayley[u]]  # column v: the map for u v
     difference = (moved - group.act_on_grid(u, maps)).abs().max().item()
-    return AttentionMaps(group, x[0, 0], pixel, maps, u, moved_x[0, 0], moved_pixel, moved,
-                         difference, layer.patch_size)  # fmt: skip
+    result = AttentionMaps(group, x[0, 0], pixel, maps, u, moved_x[0, 0], moved_pixel, moved,
+                           difference, layer.patch_size)  # fmt: skip
+    if second is not None:
+        moved_weights = _group_weights(
+            second, moved_rest[0], _moved_pixel(group, u, group_pixel, gx.shape[-2:])
+        )[group.cayley[u]]  # row v: output u v
+        aligned = moved_weights[:, group.cayley[u]]  # [v, m]: output u v, key u m
+        result.group_weights, result.moved_group_weights = weights, moved_weights
+        result.group_difference = (aligned - weights).abs().max().item()
+    return result
 
 
 def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = "") -> Path:
     """One row per input (the image, then the turned image): the input with the query and its
-    neighbourhood marked, then the query's map for each output element."""
+    neighbourhood marked, the query's map for each output element, and (for a model with
+    group layers) the first group layer's weight per output and key element."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,17 +165,19 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
     path = Path(path)
 
     group = result.group
-    rows = [(result.image, result.pixel, result.maps, "v")]
+    rows = [(result.image, result.pixel, result.maps, "v", result.group_weights)]
     if result.element is not None:
         u = group.describe(result.element)
-        rows.append((result.moved_image, result.moved_pixel, result.moved_maps, f"{u}·v"))
+        rows.append((result.moved_image, result.moved_pixel, result.moved_maps, f"{u}·v",
+                     result.moved_group_weights))  # fmt: skip
     n = group.order
     p = result.patch_size
-    fig, axes = plt.subplots(len(rows), n + 1, figsize=(1.5 * (n + 1), 1.9 * len(rows) + 1.0),
+    columns = n + 1 + (result.group_weights is not None)
+    fig, axes = plt.subplots(len(rows), columns, figsize=(1.5 * columns, 1.9 * len(rows) + 1.2),
                              squeeze=False)  # fmt: skip
     low = float(min(r[2].min() for r in rows))
     top = float(max(r[2].max() for r in rows))
-    for axis_row, (image, pixel, maps, label) in zip(axes, rows, strict=True):
+    for axis_row, (image, pixel, maps, label, weights) in zip(axes, rows, strict=True):
         ax = axis_row[0]
         ax.imshow(image.detach().cpu().float().numpy(), cmap="gray")
         if p is not None:  # global attention: no neighbourhood to mark
@@ -143,16 +190,31 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
             ax.imshow(maps[v].detach().cpu().float().numpy(), cmap="viridis", vmin=low, vmax=top)
             shown = v if label == "v" else group.multiply(result.element, v)
             ax.set_title(f"{label} = {group.describe(shown)}", fontsize=6)
-        for ax in axis_row:
+        for ax in axis_row[: n + 1]:
             ax.set_xticks([])
             ax.set_yticks([])
+        if weights is not None:
+            ax = axis_row[n + 1]
+            ax.imshow(weights.detach().cpu().float().numpy(), cmap="magma", vmin=0.0)
+            ax.set_title(f"group layer: {label} (rows), m", fontsize=6)
+            ax.set_xticks(range(n), [str(m) for m in range(n)], fontsize=5)
+            ax.set_yticks(range(n), [str(m) for m in range(n)], fontsize=5)
     lines = [f"{group.name} lifting attention of the marked query (mean over heads) for each "
              f"output element v; colours {low:.3f} to {top:.3f}"]  # fmt: skip
     if result.element is not None:
         u = group.describe(result.element)
         lines.append(f"row 2: the input turned by u = {u}; its map for u·v is row 1's map for v "
                      f"turned by u (max difference {result.max_difference:.1e})")  # fmt: skip
-    width = max(60, 18 * (n + 1))
+    if result.group_weights is not None:
+        line = (
+            "last column: the first group layer's weight on key element m (columns) for "
+            "each output row, its query at the busiest pixel, summed over the neighbourhood"
+        )
+        if result.element is not None:
+            line += (f"; row 2 is row 1 with its columns moved by u (max difference "
+                     f"{result.group_difference:.1e})")  # fmt: skip
+        lines.append(line)
+    width = max(60, 18 * columns)
     caption = "\n".join(textwrap.fill(line, width) for line in lines)
     fig.suptitle(f"{title}\n{caption}" if title else caption, fontsize=8)
     fig.tight_layout()

@@ -39,12 +39,19 @@ def test_maps_of_the_turned_image_are_the_turned_maps(tmp_path, group):
     torch.testing.assert_close(maps.maps.sum((-2, -1)), torch.ones(g.order, dtype=torch.float64))
     assert maps.maps.std() > 1e-3  # a query on the stroke: not a flat map
     assert maps.max_difference <= 1e-12
+    # the first group layer: a distribution over key elements m for every output v
+    weights = maps.group_weights
+    assert weights.shape == (g.order, g.order)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(g.order, dtype=torch.float64))
+    assert maps.group_difference <= 1e-12
     if group == "z2":
         assert maps.element is None and maps.moved_maps is None
     else:
         assert maps.moved_pixel != maps.pixel or group == "mirror"
-        # not the trivial case: the maps differ between output elements
+        # not the trivial case: the maps differ between output elements, and turning the
+        # input moves the group layer's weights to other key elements
         assert (maps.maps - maps.maps[:1]).abs().max() > 1e-4
+        assert (maps.moved_group_weights - weights).abs().max() > 1e-4
     path = plot_attention_maps(maps, tmp_path / "attention.png", title=group)
     assert imread(path).shape[1] >= 100 * (g.order + 1)
 

@@ -683,6 +683,13 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
         torch.set_num_threads(threads)
 
 
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
 def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
     """float16 / bfloat16 -> float32 (what autocast hands over); anything else as it is."""
     return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
@@ -706,7 +713,7 @@ def factorised_attention(
         raise ValueError(f"form={form!r}; choose one of {FORMS}")
     if not 0.0 <= drop < 1.0:
         raise ValueError(f"attention dropout {drop} must be in [0, 1)")
-    if torch.is_autocast_enabled(q.device.type):  # mixed precision: the core runs in float32
+    if _autocast_on(q.device.type):  # mixed precision: the core runs in float32
         with torch.autocast(q.device.type, enabled=False):
             q, k, v, group_rho, rho = (_widen(t) for t in (q, k, v, group_rho, rho))
             return factorised_attention(

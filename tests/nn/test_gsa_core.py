@@ -340,3 +340,12 @@ def test_plain_products_give_the_same_values_and_restore_the_settings():
     assert (core.PACKED_ROWS, core.GEMM_SUM_MAX, core.GEMM_SCALE_MAX) == settings
     for a, b in zip(fast, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_autocast_check_knows_devices_without_autocast():
+    from symattn_cli.nn.gsa_core import _autocast_on
+
+    assert _autocast_on("meta") is False  # torch raises for it; the core must not
+    assert _autocast_on("cpu") is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _autocast_on("cpu") is True

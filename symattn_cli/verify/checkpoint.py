@@ -174,7 +174,12 @@ def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int,
     model, data, config = load_trained(path, data_root)
     if data.spec.task == "tokens":
         return knowledge_checks(model, data, seed=seed)
-    return image_checks(model, checkpoint_images(data, data_root, limit), dtype=dtype)
+    images = checkpoint_images(data, data_root, limit)
+    group = getattr(model, "group", None)
+    passes = 1 + len(OFFGRID_DEGREES) + (len(group.grid_exact_elements()) if group else 3)
+    print(f"checking {type(model).__name__} on {len(images)} test images, {passes} passes in "
+          f"{dtype} (checkpoint_images=N checks fewer)", flush=True)  # fmt: skip
+    return image_checks(model, images, dtype=dtype)
 
 
 def checkpoint_images(data: Any, data_root: Path, limit: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ def collect(cfg: Any) -> list[Check]:
             dtype=cfg.dtype,
             seed=cfg.seed,
             limit=cfg.checkpoint_images,
+            announce=lambda text: print(text, flush=True),
         )
     return run_suite(
         families=list(cfg.families),

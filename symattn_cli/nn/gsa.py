@@ -226,10 +226,10 @@ class GroupSelfAttention(nn.Module):
         logits = logits.expand(-1, self.group.order, -1, -1, -1)  # (h, V, G, J, M)
         if inside is not None:
             logits = logits.masked_fill(~inside[:, None], float("-inf"))
-        weights = logits.flatten(-2).softmax(-1).reshape(logits.shape)
+        weights = logits.flatten(-2).softmax(-1).reshape(logits.shape)  # (h, V, G, J, M)
         if self.query_form == "single" and not self.lifting:  # g = v
-            weights = weights.diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]
-        return weights.reshape(*weights.shape[:3], *side, weights.shape[-1])
+            weights = weights.diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]  # G=1
+        return weights.reshape(*weights.shape[:3], *side, weights.shape[-1])  # (h,V,G,P,P,M)
 
     # ------------------------------------------------------------------ encodings
     def _as_group_features(self, x: torch.Tensor) -> torch.Tensor:

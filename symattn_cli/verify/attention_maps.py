@@ -6,6 +6,9 @@ positional encoding through v^-1. Turning the image by u moves the query to u.pi
 there its map for u v is the map for v turned by u: the attention itself is equivariant, not
 only the output. The figure shows both rows and the largest difference between them,
 measured, in its title.
+
+Letters: V output group elements (= N), G query elements, M key elements, P the
+neighbourhood side, H x W the layer's input map; u the element applied, v an output element.
 """
 
 from __future__ import annotations

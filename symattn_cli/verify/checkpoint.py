@@ -10,6 +10,7 @@ off-grid angles (measured). Knowledge-attention models: the embedding-transfer c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,16 +170,18 @@ def knowledge_checks(model: nn.Module, data: Any, *, seed: int) -> list[Check]:
     ]
 
 
-def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int,
-                      limit: int = 500) -> list[Check]:  # fmt: skip
+def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int, limit: int = 500,
+                      announce: Callable[[str], None] | None = None) -> list[Check]:  # fmt: skip
+    """The checks of a trained model; ``announce`` hears, before the long part, what it is."""
     model, data, config = load_trained(path, data_root)
     if data.spec.task == "tokens":
         return knowledge_checks(model, data, seed=seed)
     images = checkpoint_images(data, data_root, limit)
     group = getattr(model, "group", None)
     passes = 1 + len(OFFGRID_DEGREES) + (len(group.grid_exact_elements()) if group else 3)
-    print(f"checking {type(model).__name__} on {len(images)} test images, {passes} passes in "
-          f"{dtype} (checkpoint_images=N checks fewer)", flush=True)  # fmt: skip
+    if announce is not None:
+        announce(f"checking {type(model).__name__} on {len(images)} test images, {passes} "
+                 f"passes in {dtype} (checkpoint_images=N checks fewer)")  # fmt: skip
     return image_checks(model, images, dtype=dtype)
 
 

@@ -128,7 +128,7 @@ def train(cfg: Any) -> dict[str, float]:
         run_id=state.get("tracker_id") if state else None,
     )
     exit_code, draw, curves, attention = 1, False, None, None
-    title = f"{type(model).__name__} on {data_name(cfg)}: {directory.name}"
+    title = f"{type(model).__name__} on {_data_name(cfg)}: {directory.name}"
     redraw = epoch_plotter(run_file, directory / CURVES_FILE, title) if world.is_main else None
     try:
         with Progress(settings.progress if world.is_main else "none") as progress:
@@ -186,7 +186,7 @@ def _draw_curves(path: Path, tracker, title: str) -> Path | None:
     return image
 
 
-def data_name(cfg: Any) -> str:
+def _data_name(cfg: Any) -> str:
     variant = cfg.data.get("variant")
     return f"{cfg.data.name} ({variant})" if variant else cfg.data.name
 

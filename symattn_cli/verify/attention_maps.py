@@ -180,6 +180,9 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
                              squeeze=False)  # fmt: skip
     low = float(min(r[2].min() for r in rows))
     top = float(max(r[2].max() for r in rows))
+    if result.group_weights is not None:
+        g_low = float(min(r[4].min() for r in rows))
+        g_top = float(max(r[4].max() for r in rows))
     for axis_row, (image, pixel, maps, label, weights) in zip(axes, rows, strict=True):
         ax = axis_row[0]
         ax.imshow(image.detach().cpu().float().numpy(), cmap="gray")
@@ -198,7 +201,8 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
             ax.set_yticks([])
         if weights is not None:
             ax = axis_row[n + 1]
-            ax.imshow(weights.detach().cpu().float().numpy(), cmap="magma", vmin=0.0)
+            ax.imshow(weights.detach().cpu().float().numpy(), cmap="magma", vmin=g_low,
+                      vmax=g_top)  # fmt: skip
             ax.set_title(f"group layer: {label} (rows), m", fontsize=6)
             ax.set_xticks(range(n), [str(m) for m in range(n)], fontsize=5)
             ax.set_yticks(range(n), [str(m) for m in range(n)], fontsize=5)
@@ -211,7 +215,8 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
     if result.group_weights is not None:
         line = (
             "last column: the first group layer's weight on key element m (columns) for "
-            "each output row, its query at the busiest pixel, summed over the neighbourhood"
+            "each output row, its query at the busiest pixel, summed over the neighbourhood "
+            f"(colours {g_low:.3f} to {g_top:.3f})"
         )
         if result.element is not None:
             line += (f"; row 2 is row 1 with its columns moved by u (max difference "

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from symattn_cli.groups import Group, grid_coordinates
-from symattn_cli.nn.gsa_core import dense_attention, factorised_attention
+from symattn_cli.nn.gsa_core import dense_attention, dense_weights, factorised_attention
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")
@@ -179,7 +179,8 @@ class GroupSelfAttention(nn.Module):
     @torch.no_grad()
     def attention_weights(self, x: torch.Tensor, pixel: tuple[int, int]) -> torch.Tensor:
         """The attention probabilities of the query at ``pixel`` = (row, column), computed
-        explicitly (no chunks, no dropout) for inspection and plots.
+        explicitly by the reference algorithm (:func:`dense_weights`; no chunks, no dropout) for
+        inspection and plots.
 
         ``x``: one image ``(1, C, H, W)`` (lifting) or group feature map ``(1, C, N, H, W)``.
         Returns ``(heads, V, G, P, P, M)`` for a local layer, ``(heads, V, G, H, W, M)`` for a
@@ -197,39 +198,29 @@ class GroupSelfAttention(nn.Module):
         if not (0 <= row < height and 0 <= col < width):
             raise ValueError(f"pixel {pixel} is outside the {height}x{width} map")
         q, k, _ = self._qkv(x)  # (h, d, M, H, W), q scaled by 1/sqrt(d)
-        q = q[..., row, col]  # (h, d, G)
-        coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device)  # (H, W, 2)
+        h, d, m = q.shape[:3]
+        q = q[..., row, col].transpose(1, 2)[:, None]  # (h, 1, G, d): the one query
+        k = k.permute(0, 3, 4, 2, 1).reshape(h, height * width, m, d)  # (h, HW, M, d)
         if self.patch_size is None:  # every pixel, as _attend_points
             side = (height, width)
+            coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device)  # (H, W, 2)
             offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
-            corner = coords[0, 0] - coords[-1, -1]  # the longest offset between two pixels
-            scale = self.max_offset or float(corner.norm().clamp_min(1.0))
-            inside = None
+            longest = (coords[0, 0] - coords[-1, -1]).norm().clamp_min(1.0)  # corner to corner
+            rho_xy, rho_h = self._encodings(offsets, self.max_offset or float(longest))
+            rho_xy = None if rho_xy is None else rho_xy[:, None]  # (V, 1, J, E): its table
+            neighbour, valid = torch.arange(height * width, device=x.device)[None], None
         else:  # the P x P neighbourhood, as _attend_local
             p, r = self.patch_size, self.patch_size // 2
             side = (p, p)
-            k = F.pad(k, (r, r, r, r))[..., row : row + p, col : col + p]  # (h, d, M, P, P)
-            inside = torch.zeros(height + 2 * r, width + 2 * r, dtype=torch.bool, device=x.device)
-            inside[r : r + height, r : r + width] = True
-            inside = inside[row : row + p, col : col + p].reshape(-1)  # (J,)
-            offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)
-            scale = self.max_offset or max(r, 1)
-        k = k.flatten(-2)  # (h, d, M, J)
-        logits = torch.einsum("hdg,hdmj->hgjm", q, k)[:, None]  # (h, 1, G, J, M): content
-        rho_xy, rho_h = self._encodings(offsets, scale)
-        e = self.pos_dim
-        if rho_xy is not None:  # (V, J, E) against q's first E channels
-            logits = logits + torch.einsum("hdg,vjd->hvgj", q[:, :e], rho_xy)[..., None]
-        if rho_h is not None:  # (G, M, E') or (V, G, M, E') against q's other channels
-            rho_h = rho_h if rho_h.dim() == 4 else rho_h[None]
-            logits = logits + torch.einsum("hdg,vgmd->hvgm", q[:, e:], rho_h)[:, :, :, None]
-        logits = logits.expand(-1, self.group.order, -1, -1, -1)  # (h, V, G, J, M)
-        if inside is not None:
-            logits = logits.masked_fill(~inside[:, None], float("-inf"))
-        weights = logits.flatten(-2).softmax(-1).reshape(logits.shape)  # (h, V, G, J, M)
-        if self.query_form == "single" and not self.lifting:  # g = v
-            weights = weights.diagonal(dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]  # G=1
-        return weights.reshape(*weights.shape[:3], *side, weights.shape[-1])  # (h,V,G,P,P,M)
+            top, left = (torch.tensor([i - r], device=x.device) for i in pixel)
+            neighbour, valid = neighbourhoods(top, left, p, height, width)  # (1, J) each
+            offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
+            rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))
+        weights = dense_weights(
+            q, k, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=self.group.order,
+            rows=slice(0, 1),
+        )  # fmt: skip
+        return weights.reshape(*weights.shape[:3], *side, m)  # (h, V, G, P, P, M)
 
     # ------------------------------------------------------------------ encodings
     def _as_group_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,17 +311,10 @@ class GroupSelfAttention(nn.Module):
         q = q.permute(0, 3, 4, 2, 1).contiguous().view(z, out_h * out_w, m, d)  # (Z, L, G, d)
 
         dev = x.device
-        ys = torch.arange(crop, height - crop, device=dev)[:, None, None, None] - r
-        xs = torch.arange(crop, width - crop, device=dev)[None, :, None, None] - r
-        dys = torch.arange(p, device=dev)[None, None, :, None]
-        dxs = torch.arange(p, device=dev)[None, None, None, :]
-        rows, cols = ys + dys, xs + dxs  # (H', 1, P, 1), (1, W', 1, P): neighbour pixels
-        neighbour = rows.clamp(0, height - 1) * width + cols.clamp(0, width - 1)
-        neighbour = neighbour.reshape(out_h * out_w, p * p)  # (L, J)
-        valid = None
-        if crop < r:  # some neighbourhoods leave the image
-            inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)
-            valid = inside.reshape(out_h * out_w, p * p)  # (L, J)
+        tops = torch.arange(crop, height - crop, device=dev) - r  # (H',)
+        lefts = torch.arange(crop, width - crop, device=dev) - r  # (W',)
+        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
+        valid = inside if crop < r else None  # else every neighbourhood lies in the image
 
         offsets = grid_coordinates(p, p, dtype=x.dtype).to(dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
@@ -348,6 +332,18 @@ class GroupSelfAttention(nn.Module):
         everyone = torch.arange(n_points, device=x.device).expand(n_points, n_points)  # (I, J)
         out = self._attend(q, k, v, rho_xy, rho_h, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
+
+
+def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int, width: int):
+    """The P x P neighbourhoods whose top-left pixels are (tops[a], lefts[b]) on a height x
+    width map, a-major: flat pixel indices ``(A B, P P)``, clamped into the map (a neighbour
+    outside gets a pixel inside, to be masked), and which neighbours lie inside ``(A B, P P)``."""
+    offsets = torch.arange(p, device=tops.device)
+    rows = tops[:, None, None, None] + offsets[None, None, :, None]  # (A, 1, P, 1)
+    cols = lefts[None, :, None, None] + offsets[None, None, None, :]  # (1, B, 1, P)
+    index = rows.clamp(0, height - 1) * width + cols.clamp(0, width - 1)  # (A, B, P, P)
+    inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)  # (A, B, P, P)
+    return index.reshape(-1, p * p), inside.reshape(-1, p * p)
 
 
 def share_cpu_threads(model: nn.Module, threads: int) -> int:

@@ -728,9 +728,41 @@ def factorised_attention(
     return out * (1.0 / (1.0 - drop)) if drop > 0 else out
 
 
+def dense_weights(q, k, group_rho, rho, neighbour, valid, *, form: str, n: int,
+                  rows: slice) -> torch.Tensor:  # fmt: skip
+    """The reference algorithm's attention probabilities ``(P, V, G, J, M)`` (G = 1 in the
+    single form, where g = v) for the queries q ``(Z, Lc, G, d)`` (scaled) at ``rows`` of the
+    layer's L: keys k ``(Z, Lkv, M, d)``, the queries' ``neighbour`` indices ``(Lc, J)`` and
+    ``valid`` ``(Lc, J)`` or None; ``group_rho`` ``(G, M, E)`` or, v-dependent, ``(V, G, M,
+    E)`` on q's channels after rho's e; ``rho`` ``(V, J, e)`` or ``(V, L, J, e)`` on the first
+    e. Full logits, plain autograd."""
+    z, lc, g, d = q.shape
+    m, j = k.shape[2], neighbour.shape[1]
+    e = 0 if rho is None else rho.shape[-1]
+    p = z * lc
+    k_nb = k.index_select(1, neighbour.reshape(-1)).view(p, j, m, d)  # (P, J, M, d)
+    q2 = q.reshape(p, g, d)  # (P, G, d)
+    full = torch.einsum("pgc,pjmc->pgjm", q2, k_nb)[:, None]  # (P, 1, G, J, M)
+    if group_rho is not None:
+        table = group_rho if group_rho.dim() == 4 else group_rho[None]  # (V or 1, G, M, E)
+        gt = torch.einsum("pgc,vgmc->pvgm", q2[..., e:], table)  # (P, V or 1, G, M)
+        full = full + gt[:, :, :, None, :]  # (P, V or 1, G, J, M)
+    if e:
+        s = _spatial_logits(q[..., :e], rho, "sum", rows, None)  # (P, V, J, G)
+        full = full + s.permute(0, 1, 3, 2)[..., None]  # (P, V, G, J, M)
+    full = full.expand(p, n, g, j, m)
+    if form == "single":  # g = v only
+        full = torch.diagonal(full, dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]
+    if valid is not None:
+        mask = valid.repeat(z, 1)[:, None, None, :, None]  # (P, 1, 1, J, 1)
+        full = full.masked_fill(~mask, -math.inf)
+    return torch.softmax(full.flatten(3), dim=-1).view_as(full)  # (P, V, G, J, M)
+
+
 def dense_attention(q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: int,
                     dropout: torch.nn.Module, chunk: int) -> torch.Tensor:  # fmt: skip
-    """The reference algorithm: full ``(P, V, G, J, M)`` logits, plain autograd.
+    """The reference algorithm: full ``(P, V, G, J, M)`` logits (:func:`dense_weights`), plain
+    autograd.
 
     Same arguments as :class:`FactorisedAttention` except ``group_rho`` ``(V, G, M, E)``, a
     group encoding that may depend on v (the reference's (m - g + v) index), applied to the
@@ -738,30 +770,14 @@ def dense_attention(q, k, v, group_rho, rho, neighbour, valid, *, form: str, n: 
     """
     z, n_q, g, d = q.shape
     m, j = k.shape[2], neighbour.shape[1]
-    e = 0 if rho is None else rho.shape[-1]
     outs = []
     for lo in range(0, n_q, chunk):
         rows = slice(lo, min(lo + chunk, n_q))
-        qc = q[:, rows]  # (Z, Lc, G, d)
-        lc = qc.shape[1]
-        p = z * lc
-        idx = neighbour[rows].reshape(-1)
-        k_nb = k.index_select(1, idx).view(p, j, m, d)  # (P, J, M, d)
-        v_nb = v.index_select(1, idx).view(p, j, m, d)  # (P, J, M, d)
-        q2 = qc.reshape(p, g, d)  # (P, G, d)
-        full = torch.einsum("pgc,pjmc->pgjm", q2, k_nb)[:, None]  # (P, 1, G, J, M)
-        if group_rho is not None:
-            gt = torch.einsum("pgc,vgmc->pvgm", q2[..., e:], group_rho)  # (P, V, G, M)
-            full = full + gt[:, :, :, None, :]  # (P, V, G, J, M)
-        if e:
-            s = _spatial_logits(qc[..., :e], rho, "sum", rows, None)  # (P, V, J, G)
-            full = full + s.permute(0, 1, 3, 2)[..., None]  # (P, V, G, J, M)
-        full = full.expand(p, n, g, j, m)
-        if form == "single":  # g = v only
-            full = torch.diagonal(full, dim1=1, dim2=2).permute(0, 3, 1, 2)[:, :, None]
-        if valid is not None:
-            mask = valid[rows].repeat(z, 1)[:, None, None, :, None]  # (P, 1, 1, J, 1)
-            full = full.masked_fill(~mask, -math.inf)
-        attn = dropout(torch.softmax(full.flatten(3), dim=-1)).view_as(full)
-        outs.append(torch.einsum("pvgjm,pjmc->pvc", attn, v_nb).view(z, lc, n, d))
+        lc = rows.stop - rows.start
+        attn = dense_weights(
+            q[:, rows], k, group_rho, rho, neighbour[rows], None if valid is None else valid[rows],
+            form=form, n=n, rows=rows,
+        )  # fmt: skip
+        v_nb = v.index_select(1, neighbour[rows].reshape(-1)).view(z * lc, j, m, d)  # (P,J,M,d)
+        outs.append(torch.einsum("pvgjm,pjmc->pvc", dropout(attn), v_nb).view(z, lc, n, d))
     return torch.cat(outs, dim=1)  # (Z, L, V, d)

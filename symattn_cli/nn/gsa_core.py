@@ -106,6 +106,10 @@ class _Packed:
 _LOCAL = threading.local()
 
 
+BLOCK_GROUP_TABLE = True  # group logits as one GEMM with a block-diagonal table
+NATIVE = True  # run the chunk loops in C++ where the extension is available (CPU)
+
+
 @contextlib.contextmanager
 def plain_products():
     """Within: no packed products and no sums through 0/1 matrices (the same values), so that
@@ -119,12 +123,6 @@ def plain_products():
         yield
     finally:
         PACKED_ROWS, GEMM_SUM_MAX, GEMM_SCALE_MAX, NATIVE, BLOCK_GROUP_TABLE = saved
-
-
-BLOCK_GROUP_TABLE = True  # group logits as one GEMM with a block-diagonal table
-
-
-NATIVE = True  # run the chunk loops in C++ where the extension is available (CPU)
 
 
 def _native_loops(q: torch.Tensor):
@@ -424,8 +422,8 @@ class _Chunk:
 
 def _hidden(valid: torch.Tensor | None, chunks: list[slice], dtype) -> list:
     """Per chunk, the ``(Lc, J)`` logit offsets that hide neighbours outside the image (0 or
-    -inf), or None where every neighbour of the chunk is inside; built once per call, for the
-    forward and for the backward's recomputation."""
+    -inf), or None where every neighbour of the chunk is inside; built once per call in the
+    forward, and kept for the backward's recomputation."""
     if valid is None:
         return [None] * len(chunks)
     offsets = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
@@ -508,8 +506,8 @@ class FactorisedAttention(torch.autograd.Function):
             return None
 
         handles = _in_workers(run, len(chunks), q.device, z * n_q * j * m * g, threads)
-        ctx.save_for_backward(q, k, v, group_rho, rho, neighbour, valid)
-        ctx.args = (form, n, drop, chunks, seeds, shifts, threads)
+        ctx.save_for_backward(q, k, v, group_rho, rho, neighbour)
+        ctx.args = (form, n, drop, chunks, seeds, shifts, threads, hidden)
         # kept chunks: the C++ loops' handles (one per worker) or the Python loops' chunks
         ctx.kept = [] if not keep_chunks else handles if native is not None else kept
         ctx.native = native is not None
@@ -518,8 +516,8 @@ class FactorisedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, group_rho, rho, neighbour, valid = ctx.saved_tensors
-        form, n, drop, chunks, seeds, shifts, threads = ctx.args
+        q, k, v, group_rho, rho, neighbour = ctx.saved_tensors
+        form, n, drop, chunks, seeds, shifts, threads, hidden = ctx.args
         # Chunks kept by one kind of loop are differentiated by the same kind; without them
         # (or if the C++ loops that kept them are off now) every chunk is recomputed.
         native = _native_loops(q) if ctx.native or not ctx.kept else None
@@ -528,7 +526,6 @@ class FactorisedAttention(torch.autograd.Function):
         group_logits = None  # (Z, L, M, G) for chunks to recompute: one product with q
         if group_rho is not None and not (handles or python_kept):
             group_logits = _group_logits(q, group_rho)
-        hidden = _hidden(valid, chunks, q.dtype)
         # grad_out (Z, L, V, d) arrives permuted from W_out: each chunk copies its own rows.
         grad_q = torch.empty_like(q)
         grad_gl = None if group_rho is None else q.new_empty(*q.shape[:2], *group_rho.shape[1::-1])

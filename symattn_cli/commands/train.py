@@ -192,31 +192,21 @@ def _data_name(cfg: Any) -> str:
 
 
 def _draw_attention(model, data, directory: Path, tracker, title: str) -> Path | None:
-    """``attention.png``: a GSA-Net's lifting-layer attention over the group for its first
-    test image, at the weights the run tested (see :mod:`symattn_cli.verify.attention_maps`);
-    ``None`` for other models. A failure only warns, as for the curves."""
-    import copy
+    """``attention.png``: a GSA-Net's attention over the group for its first test image, at the
+    weights the run tested (:func:`symattn_cli.verify.attention_maps.draw_attention`); ``None``
+    for other models. A failure only warns, as for the curves."""
+    from symattn_cli.verify.attention_maps import ATTENTION_FILE, draw_attention
 
-    import torch
-
-    from symattn_cli.verify.attention_maps import (
-        ATTENTION_FILE,
-        lifting_attention_maps,
-        lifting_layer,
-        plot_attention_maps,
-    )
-
-    if data.spec.task != "classify" or lifting_layer(model) is None or len(data.test) == 0:
+    if data.spec.task != "classify" or len(data.test) == 0:
         return None
     try:
-        probe = copy.deepcopy(model).cpu().to(torch.float64)
-        image = data.test[0][0][None].to(torch.float64)
-        maps = lifting_attention_maps(probe, image)
-        path = plot_attention_maps(maps, directory / ATTENTION_FILE, title=f"{title}, test image 0")
+        path = draw_attention(model, data.test[0][0][None], directory / ATTENTION_FILE,
+                              title=f"{title}, test image 0")  # fmt: skip
     except Exception as err:  # noqa: BLE001 - a plot must not fail a finished run
         print(f"symattn: attention maps not drawn ({err})", file=sys.stderr)
         return None
-    tracker.log_image("attention", path)
+    if path is not None:
+        tracker.log_image("attention", path)
     return path
 
 

@@ -30,22 +30,40 @@ from symattn_cli.verify.records import Check
 RESULTS_FILE = "verify.h5"
 
 
-def collect(cfg: Any) -> list[Check]:
+@dataclasses.dataclass
+class Trained:
+    """The model of ``checkpoint=``, read once: its run file, data and the test images the
+    image checks and the attention maps use (None for a token model)."""
+
+    path: Path
+    model: Any
+    data: Any
+    images: Any
+
+
+def load_checkpoint(cfg: Any) -> Trained:
+    from symattn_cli.commands.train import locate_run_file
+    from symattn_cli.verify.checkpoint import checkpoint_images, load_trained
+
+    path = locate_run_file(cfg.checkpoint)
+    root = resolve_path(cfg.data_root)
+    model, data, _ = load_trained(path, root)
+    images = None
+    if data.spec.task != "tokens":
+        images = checkpoint_images(data, root, cfg.checkpoint_images)
+    return Trained(path, model, data, images)
+
+
+def collect(cfg: Any, trained: Trained | None = None) -> list[Check]:
     from symattn_cli.verify.suite import run_suite
 
-    if cfg.checkpoint:
-        from symattn_cli.commands.train import locate_run_file
+    if trained is not None:
         from symattn_cli.verify.checkpoint import checkpoint_checks
 
-        path = locate_run_file(cfg.checkpoint)
         return checkpoint_checks(
-            path,
-            resolve_path(cfg.data_root),
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            limit=cfg.checkpoint_images,
+            trained.model, trained.data, trained.images, dtype=cfg.dtype, seed=cfg.seed,
             announce=lambda text: print(text, flush=True),
-        )
+        )  # fmt: skip
     return run_suite(
         families=list(cfg.families),
         groups=list(cfg.groups),
@@ -137,36 +155,12 @@ def plot(rows: Sequence[Check], path: Path) -> Path:
     return path
 
 
-def draw_attention(cfg: Any, directory: Path) -> Path | None:
-    """``attention.png``: the checkpoint's lifting-layer attention on its first test image and
-    on that image turned (see :mod:`symattn_cli.verify.attention_maps`); ``None`` for models
-    without a local lifting layer."""
-    import torch
-
-    from symattn_cli.commands.train import locate_run_file
-    from symattn_cli.verify.attention_maps import (
-        ATTENTION_FILE,
-        lifting_attention_maps,
-        lifting_layer,
-        plot_attention_maps,
-    )
-    from symattn_cli.verify.checkpoint import checkpoint_images, load_trained
-
-    path = locate_run_file(cfg.checkpoint)
-    model, data, _ = load_trained(path, resolve_path(cfg.data_root))
-    if data.spec.task != "classify" or lifting_layer(model) is None:
-        return None
-    image = checkpoint_images(data, resolve_path(cfg.data_root), 1).to(torch.float64)
-    maps = lifting_attention_maps(model.to(torch.float64), image)
-    title = f"{path.parent.name}: first test image"
-    return plot_attention_maps(maps, directory / ATTENTION_FILE, title=title)
-
-
 def verify(cfg: Any) -> list[Check]:
     from symattn_cli.train.runfile import write_results_file
 
     start = time.perf_counter()
-    rows = collect(cfg)
+    trained = load_checkpoint(cfg) if cfg.checkpoint else None
+    rows = collect(cfg, trained)
     elapsed = time.perf_counter() - start
     directory = run_dir()
     render(rows, full=cfg.full_table)
@@ -187,7 +181,13 @@ def verify(cfg: Any) -> list[Check]:
         summary=summary,
     )
     figure = plot(rows, directory / "errors.png") if cfg.plot else None
-    attention = draw_attention(cfg, directory) if cfg.plot and cfg.checkpoint else None
+    attention = None
+    if cfg.plot and trained is not None and trained.images is not None:
+        from symattn_cli.verify.attention_maps import ATTENTION_FILE, draw_attention
+
+        title = f"{trained.path.parent.name}: first test image"
+        attention = draw_attention(trained.model, trained.images[:1], directory / ATTENTION_FILE,
+                                   title=title)  # fmt: skip
     tracker = start_run_tracker(
         cfg, directory, name=f"verify-{directory.name}", job_type="verify-equivariance"
     )

@@ -13,6 +13,7 @@ neighbourhood side, H x W the layer's input map; u the element applied, v an out
 
 from __future__ import annotations
 
+import copy
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,3 +230,15 @@ def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = ""
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def draw_attention(model: nn.Module, image: torch.Tensor, path: str | Path,
+                   title: str = "") -> Path | None:  # fmt: skip
+    """:func:`plot_attention_maps` of ``model`` for ``image`` ``(1, C, H, W)``, from a float64
+    copy on the CPU (the model itself stays as it is); ``None`` for a model without a lifting
+    self-attention layer."""
+    if lifting_layer(model) is None:
+        return None
+    probe = copy.deepcopy(model).cpu().to(torch.float64)
+    maps = lifting_attention_maps(probe, image.cpu().to(torch.float64))
+    return plot_attention_maps(maps, path, title=title)

@@ -170,13 +170,20 @@ def knowledge_checks(model: nn.Module, data: Any, *, seed: int) -> list[Check]:
     ]
 
 
-def checkpoint_checks(path: Path, data_root: Path, *, dtype: str, seed: int, limit: int = 500,
-                      announce: Callable[[str], None] | None = None) -> list[Check]:  # fmt: skip
-    """The checks of a trained model; ``announce`` hears, before the long part, what it is."""
-    model, data, config = load_trained(path, data_root)
+def checkpoint_checks(
+    model: nn.Module,
+    data: Any,
+    images: torch.Tensor | None,
+    *,
+    dtype: str,
+    seed: int,
+    announce: Callable[[str], None] | None = None,
+) -> list[Check]:
+    """The checks of a trained model (:func:`load_trained`): on ``images`` (from
+    :func:`checkpoint_images`) for an image model, on its test split for a token model.
+    ``announce`` hears, before the long part, what it is."""
     if data.spec.task == "tokens":
         return knowledge_checks(model, data, seed=seed)
-    images = checkpoint_images(data, data_root, limit)
     group = getattr(model, "group", None)
     passes = 1 + len(OFFGRID_DEGREES) + (len(group.grid_exact_elements()) if group else 3)
     if announce is not None:

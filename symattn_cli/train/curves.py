@@ -50,9 +50,9 @@ def plot_learning_curves(
     x = epochs["epoch"]
     last = float(x[-1])
     if len(steps.get("step", ())):
-        ax_loss.plot(step_epochs(steps["step"], epochs), steps["loss"], color="0.75", lw=0.8,
-                     label="train (logged steps)")  # fmt: skip
-        ax_lr.plot(step_epochs(steps["step"], epochs), steps["lr"], color="0.4", lw=1.0)
+        at = step_epochs(steps["step"], epochs)
+        ax_loss.plot(at, steps["loss"], color="0.75", lw=0.8, label="train (logged steps)")
+        ax_lr.plot(at, steps["lr"], color="0.4", lw=1.0)
     else:
         ax_lr.plot(x, epochs["lr"], color="0.4", marker=".")
     for split in ("train", "val"):

@@ -234,8 +234,6 @@ class NullRunFile:
         if name in ("append", "flush", "write_weights", "write_state", "truncate",
                     "set_status", "set_summary", "close"):  # fmt: skip
             return lambda *args, **kwargs: None
-        if name == "metrics":
-            return lambda *args, **kwargs: {}
         if name == "rows_until":
             return lambda *args, **kwargs: 0
         raise AttributeError(name)

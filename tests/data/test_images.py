@@ -262,6 +262,7 @@ def test_rotmnist_missing_offline(tmp_path):
     message = str(info.value)
     assert "mnist_rotation_new.zip" in message and AMAT_TRAIN in message
     assert str(tmp_path / "rotmnist") in message and "data.download=true" in message
+    assert "data=rotmnist_mini works offline" in message  # the config group override
     assert "\n" not in message
 
 
@@ -350,6 +351,7 @@ def test_mnist_missing_offline_and_download_failure(tmp_path):
         message = str(info.value)
         assert "train-images-idx3-ubyte" in message and str(tmp_path / "MNIST" / "raw") in message
         assert "data.download=true" in message and "\n" not in message
+        assert "data=rotmnist_mini works offline" in message
 
 
 # --- CIFAR-10 python batches ------------------------------------------------------------------

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+import symattn_cli.nn.gsa_core as core
 from symattn_cli.groups import GROUP_NAMES, get_group
 from symattn_cli.nn.gsa import GroupSelfAttention
-from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
+from symattn_cli.verify.gsa import build_probe, layer_equivariance, randomize_encodings
 
 KINDS = ["lifting", "group_sum", "group_single"]
 
@@ -22,6 +23,45 @@ def test_exact_equivariance_float64(group, kind, size):
     assert len(records) == len(get_group(group).grid_exact_elements())
     worst = max(r["max_rel"] for r in records)
     assert worst <= 1e-10, records
+
+
+def _values_and_gradients(module: torch.nn.Module, x: torch.Tensor):
+    torch.manual_seed(1)  # the same attention-dropout masks on both paths
+    x = x.clone().requires_grad_()
+    out = module(x)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    (out * weights).sum().backward()
+    grads = [x.grad] + [p.grad.clone() for p in module.parameters() if p.grad is not None]
+    module.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("group", ["z4m", "r8"])
+@pytest.mark.parametrize("kind", [*KINDS, "network"])
+def test_gpu_paths_agree_and_are_exactly_equivariant(group, kind, monkeypatch):
+    """The attention core's paths for GPUs (no packed products, no 0/1-matrix sums, fresh
+    buffers, one thread, the Python loops; see ``gsa_core._host_paths``), run here on the CPU:
+    the CPU paths' values and gradients in float64, with attention dropout on, and exact
+    equivariance for every grid-exact element."""
+    module, x = build_probe(get_group(group), kind, image_size=6, dtype=torch.float64)
+    for layer in module.modules():
+        if isinstance(layer, GroupSelfAttention):
+            layer.attention_dropout.p = 0.2
+    module.train()
+    cpu_out, cpu_grads = _values_and_gradients(module, x)
+    asked = []
+    monkeypatch.setattr(core, "_host_paths", lambda device: asked.append(device) or False)
+    gpu_out, gpu_grads = _values_and_gradients(module, x)
+    assert asked  # the core did take the other paths
+    assert torch.allclose(gpu_out, cpu_out, rtol=0, atol=1e-12 * cpu_out.abs().max())
+    # One scale for every gradient: some are zero up to round-off (the key bias adds the same
+    # logit to every key of a softmax).
+    scale = max(g.abs().max() for g in cpu_grads)
+    for a, b in zip(gpu_grads, cpu_grads, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12 * scale)
+    records = layer_equivariance(group, kind, image_size=6)
+    assert len(records) == len(get_group(group).grid_exact_elements())
+    assert max(r["max_rel"] for r in records) <= 1e-10, records
 
 
 @pytest.mark.parametrize("group", ["z4", "r8", "z4m"])
@@ -84,7 +124,11 @@ def test_local_with_large_patch_equals_global(form):
     x = torch.randn(2, 3, 8, 5, 5, dtype=torch.float64)
     with torch.no_grad():
         assert torch.allclose(local(x), glob(x), atol=1e-12)
-        assert torch.equal(local(x, crop=1), local(x)[..., 1:-1, 1:-1])
+        # crop computes only the inner pixels: the same values up to round-off (fewer
+        # queries make products of other shapes, which BLAS may round differently)
+        full = local(x)
+        assert torch.allclose(local(x, crop=1), full[..., 1:-1, 1:-1], rtol=0,
+                              atol=1e-13 * full.abs().max())  # fmt: skip
     # Most of a 9 x 9 neighbourhood lies outside a 5 x 5 image; those neighbours are clamped
     # to pixels inside and must take no gradient either.
     weights = torch.randn(2, 6, 8, 5, 5, dtype=torch.float64)

@@ -30,14 +30,16 @@ class GridActionError(ValueError):
     """The group element does not map the pixel grid onto itself (e.g. a 45 degree turn)."""
 
 
-def grid_coordinates(height: int, width: int, dtype=torch.float64) -> torch.Tensor:
-    """(x, y) coordinates of the pixel centres of an ``height x width`` grid, ``(H, W, 2)``.
+def grid_coordinates(height: int, width: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """(x, y) coordinates of the pixel centres of an ``height x width`` grid, ``(H, W, 2)``,
+    on ``device`` (the CPU when None).
 
     The single place where the coordinate convention is fixed: x runs along columns to the
     right, y along rows upwards, origin at the grid centre (half-integers for even sizes).
     """
-    rows = torch.arange(height, dtype=dtype)
-    cols = torch.arange(width, dtype=dtype)
+    device = device or "cpu"
+    rows = torch.arange(height, dtype=dtype, device=device)
+    cols = torch.arange(width, dtype=dtype, device=device)
     y = (height - 1) / 2 - rows  # (H,)
     x = cols - (width - 1) / 2  # (W,)
     return torch.stack(torch.broadcast_tensors(x[None, :], y[:, None]), dim=-1)  # (H, W, 2)
@@ -102,16 +104,20 @@ class Group:
         k, s = self.decompose(a)
         return a if s else self.compose_index(-k, 0)
 
+    # The tables are CPU tensors, built once. Indexing a tensor on another device with them is
+    # fine (torch moves the index); ``device="cpu"`` is explicit so that a table first built
+    # under another default device (``with torch.device(...)``) is not cached there.
     @cached_property
     def cayley(self) -> torch.Tensor:
         """``(N, N)`` long tensor, ``cayley[a, b]`` = index of ``a b``."""
         n = self.order
-        return torch.tensor([[self.multiply(a, b) for b in range(n)] for a in range(n)])
+        rows = [[self.multiply(a, b) for b in range(n)] for a in range(n)]
+        return torch.tensor(rows, device="cpu")
 
     @cached_property
     def inverse(self) -> torch.Tensor:
         """``(N,)`` long tensor, ``inverse[a]`` = index of ``a^-1``."""
-        return torch.tensor([self.invert(a) for a in range(self.order)])
+        return torch.tensor([self.invert(a) for a in range(self.order)], device="cpu")
 
     @cached_property
     def relative(self) -> torch.Tensor:
@@ -123,34 +129,45 @@ class Group:
         return self.cayley[self.inverse]  # (N, N): row g is g^-1 composed with every m
 
     # ------------------------------------------------------------------ actions
-    def matrix(self, e: int, dtype=torch.float64) -> torch.Tensor:
-        """The 2x2 matrix of ``u = R^k M^s`` acting on (x, y) column vectors."""
-        k, s = self.decompose(e)
-        if self.rotations % 4 == 0 and k % (self.rotations // 4) == 0:
-            q = k // (self.rotations // 4)  # exact quarter turns, no rounding error
-            c, si = [(1, 0), (0, 1), (-1, 0), (0, -1)][q]
-        else:
-            theta = 2 * math.pi * k / self.rotations
-            c, si = math.cos(theta), math.sin(theta)
-        rot = torch.tensor([[c, -si], [si, c]], dtype=dtype)
-        mirror = torch.tensor([[1.0, 0.0], [0.0, -1.0 if s else 1.0]], dtype=dtype)
-        return rot @ mirror
+    @cached_property
+    def _matrices64(self) -> torch.Tensor:
+        """``(N, 2, 2)`` float64 on the CPU: ``R^k M^s`` with M = diag(1, +-1), so each entry
+        is +-cos or +-sin of the angle, exactly, and casting to another dtype rounds each
+        entry once, as building it in that dtype would."""
+        rows = []
+        for e in self.elements:
+            k, s = self.decompose(e)
+            if self.rotations % 4 == 0 and k % (self.rotations // 4) == 0:
+                q = k // (self.rotations // 4)  # exact quarter turns, no rounding error
+                c, si = [(1.0, 0.0), (0.0, 1.0), (-1.0, 0.0), (0.0, -1.0)][q]
+            else:
+                theta = 2 * math.pi * k / self.rotations
+                c, si = math.cos(theta), math.sin(theta)
+            m = -1.0 if s else 1.0  # R M: the second column of R times m
+            rows.append([[c, -si * m], [si, c * m]])
+        return torch.tensor(rows, dtype=torch.float64, device="cpu") + 0.0  # -0 -> +0, as R @ M
 
-    def matrices(self, dtype=torch.float64) -> torch.Tensor:
-        """``(N, 2, 2)``: all elements as matrices."""
-        return torch.stack([self.matrix(e, dtype) for e in self.elements])
+    def matrix(self, e: int, dtype=torch.float64, device=None) -> torch.Tensor:
+        """The 2x2 matrix of ``u = R^k M^s`` acting on (x, y) column vectors."""
+        self._check(e)
+        return self.matrices(dtype, device)[e]
+
+    def matrices(self, dtype=torch.float64, device=None) -> torch.Tensor:
+        """``(N, 2, 2)``: all elements as matrices, a new tensor on ``device`` (CPU if None)."""
+        return self._matrices64.to(device=device or "cpu", dtype=dtype, copy=True)
 
     def act_on_coordinates(self, e: int, coords: torch.Tensor) -> torch.Tensor:
         """``u x`` for points ``coords`` of shape ``(..., 2)`` in (x, y) order."""
-        return coords @ self.matrix(e, coords.dtype).T  # (..., 2)
+        return coords @ self.matrix(e, coords.dtype, coords.device).T  # (..., 2)
 
-    def regular_permutation(self, e: int) -> torch.Tensor:
-        """Index map ``perm`` with ``(L_u f)(h) = f(u^-1 h)`` equal to ``f[..., perm]``.
+    def regular_permutation(self, e: int, device=None) -> torch.Tensor:
+        """Index map ``perm`` with ``(L_u f)(h) = f(u^-1 h)`` equal to ``f[..., perm]``, on
+        ``device`` (CPU if None): ``perm[h] = u^-1 h``, row u of :attr:`relative`.
 
         The regular representation of u as a permutation of the group axis.
         """
-        inv = self.invert(e)
-        return torch.tensor([self.multiply(inv, h) for h in self.elements])
+        self._check(e)
+        return self.relative[e].to(device=device or "cpu", copy=True)
 
     def is_grid_exact(self, e: int) -> bool:
         """Whether ``u`` maps a square pixel grid onto itself (multiples of 90 degrees)."""
@@ -194,7 +211,7 @@ class Group:
             raise ValueError(
                 f"expected a group function (B, C, N={self.order}, H, W), got {tuple(f.shape)}"
             )
-        out = f[:, :, self.regular_permutation(e).to(f.device)]  # (B, C, N, H, W)
+        out = f[:, :, self.regular_permutation(e, f.device)]  # (B, C, N, H, W)
         out = self.act_on_grid(e, out)
         return translate(out, shift)
 

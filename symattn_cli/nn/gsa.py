@@ -158,7 +158,7 @@ class GroupSelfAttention(nn.Module):
             raise ValueError(f"crop={crop} leaves nothing of a {height}x{width} map")
         if self.patch_size is not None:
             return self._attend_local(x, crop)
-        coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device).reshape(-1, 2)
+        coords = grid_coordinates(height, width, dtype=x.dtype, device=x.device).reshape(-1, 2)
         out = self._attend_points(x.reshape(b, -1, m, height * width), coords)
         out = out.reshape(b, -1, self.group.order, height, width)  # (B, C_out, N, H, W)
         return out[..., crop : height - crop, crop : width - crop]
@@ -203,7 +203,7 @@ class GroupSelfAttention(nn.Module):
         k = k.permute(0, 3, 4, 2, 1).reshape(h, height * width, m, d)  # (h, HW, M, d)
         if self.patch_size is None:  # every pixel, as _attend_points
             side = (height, width)
-            coords = grid_coordinates(height, width, dtype=x.dtype).to(x.device)  # (H, W, 2)
+            coords = grid_coordinates(height, width, dtype=x.dtype, device=x.device)  # (H, W, 2)
             offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
             longest = (coords[0, 0] - coords[-1, -1]).norm().clamp_min(1.0)  # corner to corner
             rho_xy, rho_h = self._encodings(offsets, self.max_offset or float(longest))
@@ -214,7 +214,8 @@ class GroupSelfAttention(nn.Module):
             side = (p, p)
             top, left = (torch.tensor([i - r], device=x.device) for i in pixel)
             neighbour, valid = neighbourhoods(top, left, p, height, width)  # (1, J) each
-            offsets = grid_coordinates(p, p, dtype=x.dtype).to(x.device).reshape(-1, 2)  # (J, 2)
+            offsets = grid_coordinates(p, p, dtype=x.dtype, device=x.device)  # (P, P, 2)
+            offsets = offsets.reshape(-1, 2)  # (J, 2)
             rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))
         weights = dense_weights(
             q, k, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=self.group.order,
@@ -239,7 +240,7 @@ class GroupSelfAttention(nn.Module):
         """rho_xy(v^-1 offsets) ``(V, ..., E)`` and rho_H ``(G, M, E)`` (or ``(V, G, M, E)``)."""
         rho_xy = rho_h = None
         if self.position is not None:
-            inv = self.group.matrices(offsets.dtype).to(offsets.device)[self.group.inverse]
+            inv = self.group.matrices(offsets.dtype, offsets.device)[self.group.inverse]  # (V,2,2)
             rho_xy = self.position(offsets, inv, scale)  # (V, ..., E)
         if self.group_embedding is not None:
             if self.group_index == "relative":
@@ -316,7 +317,7 @@ class GroupSelfAttention(nn.Module):
         neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
         valid = inside if crop < r else None  # else every neighbourhood lies in the image
 
-        offsets = grid_coordinates(p, p, dtype=x.dtype).to(dev).reshape(-1, 2)  # (J, 2)
+        offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
         out = self._attend(q, k, v, rho_xy, rho_h, neighbour, valid)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))

@@ -60,6 +60,15 @@ SCALAR_BMM_SIZE = 400
 PACKED_ROWS = 8  # tiny products are packed into block-diagonal matrices of at least this size
 
 
+def _host_paths(device: torch.device) -> bool:
+    """Whether the core takes its CPU paths on ``device``: packed small products, sums and
+    broadcasts through 0/1 matrices, per-thread scratch buffers, worker threads and the C++
+    chunk loops. Elsewhere (GPUs) it takes plain batched operations, fresh buffers and one
+    thread running the Python loops: the same values. The one place that decides, so that the
+    tests can run those paths on the CPU (the ``loops`` fixture's ``"accelerator"``)."""
+    return device.type == "cpu"
+
+
 class _Packed:
     """Tiny matrices ``a`` ``(n, r, c)`` (one per row of a chunk) for products ``a @ b`` and
     ``a^T @ b`` with ``b`` ``(n, r or c, cols)``.
@@ -79,7 +88,7 @@ class _Packed:
         n, r, c = a.shape
         f = max(1, PACKED_ROWS // max(r, c))
         self.a, self.f = a, f
-        if a.device.type != "cpu" or f == 1 or n % f or c * r * cols >= SCALAR_BMM_SIZE:
+        if not _host_paths(a.device) or f == 1 or n % f or c * r * cols >= SCALAR_BMM_SIZE:
             self.f = 1
             if mask is not None:
                 self.a = torch.mul(a, mask, out=scratch.empty("kept", n, r, c))
@@ -127,7 +136,7 @@ def plain_products():
 
 def _native_loops(q: torch.Tensor):
     """The C++ chunk loops (:mod:`gsa_native`) for a call on ``q``, or None for Python's."""
-    if not NATIVE or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+    if not NATIVE or not _host_paths(q.device) or q.dtype not in (torch.float32, torch.float64):
         return None
     return gsa_native.load()
 
@@ -136,7 +145,7 @@ def chunk_loops(device) -> str:
     """The chunk loops a (float32) call on ``device`` runs: ``"c++"`` (CPU, with the extension
     built) or ``"python"`` (other devices, ``SYMATTN_NATIVE=0``, under :func:`plain_products`,
     or a failed build: the same values, slower)."""
-    if torch.device(device).type != "cpu":  # without allocating on it
+    if not _host_paths(torch.device(device)):  # without allocating on it
         return "python"
     return "python" if _native_loops(torch.empty(0)) is None else "c++"
 
@@ -160,7 +169,7 @@ class _Scratch:
     def __init__(self, like: torch.Tensor, reuse: bool) -> None:
         self.like = like
         self.buffers = self.views = None
-        if reuse and like.device.type == "cpu":
+        if reuse and _host_paths(like.device):
             local = getattr(_LOCAL, "scratch", None)
             if local is None:
                 local = _LOCAL.scratch = ({}, {})
@@ -277,7 +286,7 @@ def _segments(a: int, b: int, like: torch.Tensor) -> torch.Tensor:
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(R, a, b)`` contiguous -> its sum over a, ``(R, b)``."""
     r, a, b = x.shape
-    if not 1 < b <= GEMM_SUM_MAX or x.device.type != "cpu":
+    if not 1 < b <= GEMM_SUM_MAX or not _host_paths(x.device):
         return x.sum(1)
     return x.view(r, a * b) @ _segments(a, b, x)
 
@@ -286,7 +295,7 @@ def _segment_expand(y: torch.Tensor, a: int, scratch: _Scratch) -> torch.Tensor:
     """``y`` ``(R, b)`` repeated over a new middle axis: ``(R, a, b)`` (contiguous, in
     ``scratch``, for short b; else a broadcast view)."""
     r, b = y.shape
-    if not 1 < b <= GEMM_SCALE_MAX or y.device.type != "cpu":
+    if not 1 < b <= GEMM_SCALE_MAX or not _host_paths(y.device):
         return y.unsqueeze(1).expand(r, a, b)
     out = scratch.empty("expand", r, a * b)
     return torch.mm(y, _segments(a, b, y).T, out=out).view(r, a, b)
@@ -470,8 +479,10 @@ class FactorisedAttention(torch.autograd.Function):
         keep_chunks = not recompute and any(ctx.needs_input_grad[:5])
         chunks = [slice(lo, min(lo + chunk, n_q)) for lo in range(0, n_q, chunk)]
         # One dropout seed per chunk, drawn here in order so that torch's seed fixes the masks
-        # whatever the workers do; the backward redraws each mask from its seed.
-        seeds = torch.randint(1 << 62, (len(chunks),)).tolist() if drop > 0 else [0] * len(chunks)
+        # whatever the workers do; the backward redraws each mask from its seed. They are
+        # drawn on the host, whatever the device: they become Python ints.
+        seeds = (torch.randint(1 << 62, (len(chunks),), device="cpu").tolist() if drop > 0
+                 else [0] * len(chunks))  # fmt: skip
         hidden = _hidden(valid, chunks, q.dtype)
         # Stored as (Z, d, V, L): the layer's W_out reads it as (B, h d, V, L) without a copy.
         out = q.new_empty(z, d, n, n_q).permute(0, 3, 2, 1)  # (Z, L, V, d)
@@ -652,7 +663,7 @@ def _in_workers(run, n_chunks: int, device, work: int, threads: int = 0) -> list
         raise ValueError(f"attention threads={threads} must be >= 0 (0 = torch's thread count)")
     if threads == 0:
         threads = torch.get_num_threads() if work >= MIN_PARALLEL_WORK else 1
-    workers = min(threads, n_chunks) if device.type == "cpu" else 1
+    workers = min(threads, n_chunks) if _host_paths(device) else 1
     if workers <= 1:
         with torch.no_grad():
             return [run(list(range(n_chunks)))]

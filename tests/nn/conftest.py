@@ -23,9 +23,37 @@ def native() -> None:
 
 
 @pytest.fixture(params=["python", "native"])
-def loops(request, monkeypatch) -> str:
-    """Runs a test with the attention core's chunk loops in Python, then in C++."""
+def cpu_loops(request, monkeypatch) -> str:
+    """Runs a test with the attention core's chunk loops in Python, then in C++ (for tests of
+    what only the CPU paths do: worker threads, scratch buffers)."""
     if request.param == "native":
         _require_native()
     monkeypatch.setattr(core, "NATIVE", request.param == "native")
     return request.param
+
+
+@pytest.fixture(params=["python", "native", "accelerator"])
+def loops(request, monkeypatch):
+    """As :func:`cpu_loops`, then once more on the paths a GPU takes (no packed products, no
+    0/1-matrix sums, fresh buffers, one thread, the Python loops), here on the CPU. For the
+    last, the test also fails if it never reached a device decision of the core, or if a
+    CPU-only helper ran."""
+    if request.param == "native":
+        _require_native()
+    monkeypatch.setattr(core, "NATIVE", request.param == "native")
+    if request.param != "accelerator":
+        yield request.param
+        return
+    asked = []
+    monkeypatch.setattr(core, "_host_paths", lambda device: asked.append(device) or False)
+    monkeypatch.setattr(core, "_segments", _forbidden("the 0/1-matrix sums"))
+    monkeypatch.setattr(core, "ThreadPoolExecutor", _forbidden("a pool of CPU threads"))
+    yield request.param
+    assert asked, "the test reached no device decision of the attention core"
+
+
+def _forbidden(what: str):
+    def call(*args, **kwargs):
+        raise AssertionError(f"{what} ran on the paths a GPU takes")
+
+    return call

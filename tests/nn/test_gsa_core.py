@@ -134,7 +134,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
-def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch, loops):
+def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch, cpu_loops):
     """Chunks shared among worker threads: same outputs, gradients and dropout masks."""
     import symattn_cli.nn.gsa_core as core
 
@@ -161,7 +161,7 @@ def test_cpu_workers_give_the_same_values_and_gradients(form, monkeypatch, loops
         assert torch.allclose(a, b, atol=1e-13)
 
 
-def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch, loops):
+def test_explicit_attention_threads_work_whatever_torch_threads(monkeypatch, cpu_loops):
     """``threads=3`` shares the chunks among three threads (the caller and two pool workers)
     even with one torch thread (and below MIN_PARALLEL_WORK); values and gradients equal the
     serial ones; negative is an error."""

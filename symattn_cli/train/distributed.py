@@ -39,10 +39,17 @@ def init_world(device: str = "auto") -> World:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend=process_group_backend(use_cuda))
     if use_cuda:
         torch.cuda.set_device(local_rank)
     return World(rank=rank, local_rank=local_rank, size=size)
+
+
+def process_group_backend(use_cuda: bool) -> str:
+    """The process group's backend per device type: NCCL for the gradients of a model on GPUs,
+    and gloo for host tensors in both cases. NCCL reduces CUDA tensors only, and the epoch
+    totals of :func:`sum_across` are host tensors."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
 def device_for(world: World, device: str) -> str:

@@ -32,12 +32,11 @@ class GridActionError(ValueError):
 
 def grid_coordinates(height: int, width: int, dtype=torch.float64, device=None) -> torch.Tensor:
     """(x, y) coordinates of the pixel centres of an ``height x width`` grid, ``(H, W, 2)``,
-    on ``device`` (the CPU when None).
+    on ``device`` (torch's default device when None, as for torch's own constructors).
 
     The single place where the coordinate convention is fixed: x runs along columns to the
     right, y along rows upwards, origin at the grid centre (half-integers for even sizes).
     """
-    device = device or "cpu"
     rows = torch.arange(height, dtype=dtype, device=device)
     cols = torch.arange(width, dtype=dtype, device=device)
     y = (height - 1) / 2 - rows  # (H,)
@@ -153,8 +152,9 @@ class Group:
         return self.matrices(dtype, device)[e]
 
     def matrices(self, dtype=torch.float64, device=None) -> torch.Tensor:
-        """``(N, 2, 2)``: all elements as matrices, a new tensor on ``device`` (CPU if None)."""
-        return self._matrices64.to(device=device or "cpu", dtype=dtype, copy=True)
+        """``(N, 2, 2)``: all elements as matrices, a new tensor on ``device`` (torch's default
+        device when None)."""
+        return self._matrices64.to(device=_device(device), dtype=dtype, copy=True)
 
     def act_on_coordinates(self, e: int, coords: torch.Tensor) -> torch.Tensor:
         """``u x`` for points ``coords`` of shape ``(..., 2)`` in (x, y) order."""
@@ -162,12 +162,13 @@ class Group:
 
     def regular_permutation(self, e: int, device=None) -> torch.Tensor:
         """Index map ``perm`` with ``(L_u f)(h) = f(u^-1 h)`` equal to ``f[..., perm]``, on
-        ``device`` (CPU if None): ``perm[h] = u^-1 h``, row u of :attr:`relative`.
+        ``device`` (torch's default device when None): ``perm[h] = u^-1 h``, row u of
+        :attr:`relative`.
 
         The regular representation of u as a permutation of the group axis.
         """
         self._check(e)
-        return self.relative[e].to(device=device or "cpu", copy=True)
+        return self.relative[e].to(device=_device(device), copy=True)
 
     def is_grid_exact(self, e: int) -> bool:
         """Whether ``u`` maps a square pixel grid onto itself (multiples of 90 degrees)."""
@@ -225,6 +226,12 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, order={self.order})"
+
+
+def _device(device) -> torch.device:
+    """``device``, or torch's default device (``torch.set_default_device``, ``with
+    torch.device(...)``) when None: what torch's constructors do with ``device=None``."""
+    return torch.get_default_device() if device is None else torch.device(device)
 
 
 def translate(f: torch.Tensor, shift: tuple[int, int]) -> torch.Tensor:

@@ -46,6 +46,34 @@ def test_regular_representation_is_a_homomorphism(group):
             assert torch.equal(two_steps, one_step)
 
 
+def test_matrices_in_other_dtypes_are_the_float64_ones_rounded_once(group):
+    exact = group.matrices(torch.float64)
+    assert torch.equal(group.matrices(torch.float32), exact.float())
+    for e in group.elements:
+        assert torch.equal(group.matrix(e), exact[e])
+        if group.is_grid_exact(e):  # quarter turns and reflections: entries are 0 and +-1
+            assert set(exact[e].flatten().tolist()) <= {0.0, 1.0, -1.0}
+
+
+def test_tables_follow_the_device_asked_for_and_are_fresh_copies(group):
+    """``device=None`` means torch's default device, as for torch's constructors (a layer
+    that forgets to pass its input's device fails off the CPU, and a test can see it); the
+    caller may write into what it gets without touching the group's cache."""
+    assert group.matrices().device.type == "cpu"
+    assert group.matrices(device="meta").device.type == "meta"
+    assert grid_coordinates(3, 4, device="meta").device.type == "meta"
+    with torch.device("meta"):
+        assert group.matrices().device.type == "meta"
+        assert group.regular_permutation(0).device.type == "meta"
+        assert grid_coordinates(3, 4).device.type == "meta"
+        assert group.cayley.device.type == "cpu"  # index tables stay on the host
+    before = group.matrices().clone()
+    group.matrices().zero_()
+    group.regular_permutation(group.order - 1).zero_()
+    assert torch.equal(group.matrices(), before)
+    assert group.regular_permutation(group.order - 1).tolist() == group.relative[-1].tolist()
+
+
 def test_relative_index_is_invariant(group):
     rel = group.relative
     for u in group.elements:

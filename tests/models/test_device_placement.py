@@ -1,0 +1,60 @@
+"""Every model makes its tensors on its input's device, so it runs where it is put (a GPU).
+
+No GPU is needed to check it: with the default device set to ``meta``, a tensor made without
+naming a device lands there, and the first operation that mixes it with the model's CPU
+tensors fails (or, for an index, reads nothing: hence the comparison of values). The attention
+core takes the paths it takes on a GPU (``gsa_core._host_paths``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symattn_cli
+import symattn_cli.nn.gsa_core as core
+from symattn_cli.models.registry import default_spec, model_config
+from symattn_cli.nn.gsa import AUTO_CHUNK
+
+NARROW_GSA = {"channels": 8, "heads": 2}  # the paper's layout at a test-sized width
+
+
+def _model_and_input(name: str):
+    family = model_config(name)["family"]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    if family == "ka":
+        model = symattn_cli.create_model(name)
+        tokens = torch.randint(1, default_spec(family, model_config(name)).vocab_size, (2, 7),
+                               generator=gen)  # fmt: skip
+        return model, tokens
+    options = {}
+    if family == "gsa":  # chunks as large as a GPU takes them (the chunk size is automatic)
+        options = {"chunk_elements": AUTO_CHUNK["cuda"]}
+        if name != "gsa_mini":
+            options |= NARROW_GSA
+    model = symattn_cli.create_model(name, **options)
+    return model, torch.randn(1, 1, 28, 28, generator=gen)
+
+
+def _values_and_gradients(model: torch.nn.Module, x: torch.Tensor):
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    out = model(x)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()), allow_unused=True)
+    return [out.detach(), *(g for g in grads if g is not None)]
+
+
+@pytest.mark.parametrize("name", symattn_cli.list_models())
+def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypatch):
+    monkeypatch.setattr(core, "_host_paths", lambda device: False)  # the GPU paths
+    model, x = _model_and_input(name)
+    for module in model.modules():  # dropout on, where the model has it
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.2
+    model.train()
+    reference = _values_and_gradients(model, x)
+    with torch.device("meta"):
+        placed = _values_and_gradients(model, x)
+    assert len(placed) == len(reference) > 1
+    for a, b in zip(placed, reference, strict=True):
+        assert a.device == b.device and torch.equal(a, b)

@@ -6,6 +6,7 @@ mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
 * time: median, inter-quartile range and minimum of the timed steps (seconds, wall clock;
   ``torch.cuda.synchronize`` around each step on CUDA), and the median CPU time of the process
   per step (all threads; on a busy machine wall time grows while CPU time stays put);
+  throughput: the batch over the median time (``<mode>_items_per_s``, images per second);
 * memory: the peak growth during the mode's steps (warm-up included) over a baseline taken
   after the module and its input exist. CPU: peak resident set size (``VmHWM``) minus the
   resident set before the first step, with the peak counter reset in between modes
@@ -414,6 +415,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         row[f"{mode}_mem_mb"] = memory.peak_growth() / MB
         for key, value in summarize_times(times, cpu).items():
             row[f"{mode}_{key}"] = value
+        row[f"{mode}_items_per_s"] = case.batch / row[f"{mode}_time_s"]  # images or sequences
     if not memory.resettable:  # only the first mode's peak is its own
         for mode in settings.modes[1:]:
             row[f"{mode}_mem_mb"] = float("nan")

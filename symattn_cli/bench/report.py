@@ -30,12 +30,12 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
     table.add_column("params", justify="right")
     for mode in modes:
         short = "fwd+bwd" if mode == "train" else "fwd"
-        for name in ("s", "cpu s", "MB", "FLOPs", "%GEMM"):
+        for name in ("s", "cpu s", "img/s", "MB", "FLOPs", "%GEMM"):
             table.add_column(f"{short} {name}", justify="right", no_wrap=True)
     for row in rows:
         cells = [row["label"], _num(row.get("params"), ",.0f")]
         if row.get("status") != "ok":
-            cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (5 * len(modes) - 1)
+            cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (6 * len(modes) - 1)
             table.add_row(*cells)
             continue
         for mode in modes:
@@ -44,6 +44,7 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
             cells += [
                 f"{_num(time_s, '.4f')} ± {_num(iqr, '.4f')}",
                 _num(row.get(f"{mode}_cpu_s"), ".4f"),
+                _num(row.get(f"{mode}_items_per_s"), ".4g"),
                 _num(row.get(f"{mode}_mem_mb"), ".1f"),
                 _flops(row.get(f"{mode}_flops")),
                 _num(None if fraction is None else 100 * fraction, ".2f"),

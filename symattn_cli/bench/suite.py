@@ -104,6 +104,19 @@ def default_cases() -> list[Case]:
     return cases
 
 
+GPU_BATCHES = (8, 32, 128)  # the paper's rotMNIST batch (8), and larger ones a GPU fills
+
+
+def gpu_cases() -> list[Case]:
+    """Train-step throughput and memory of the rotMNIST r8 net (both group-layer forms) on a
+    GPU, beside the z2 net and the plain CNN at the same batches."""
+    cases = []
+    for batch in GPU_BATCHES:
+        cases += [gsa_model("r8", batch=batch), gsa_model("r8", batch=batch, form="single")]
+        cases += [gsa_model("z2", batch=batch), model("cnn", batch=batch)]
+    return cases
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -113,6 +126,9 @@ PRESETS: dict[str, Preset] = {
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=3, warmup=1),
+        Preset("gpu", "rotMNIST r8 net (both forms), z2 net and CNN at batches 8, 32, 128: "
+               "train-step throughput and memory, for device=cuda", gpu_cases, repeats=10,
+               warmup=3),
         Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
                repeats=3, warmup=1, threads=1, fresh_process=False),
     )

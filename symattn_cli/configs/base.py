@@ -67,7 +67,7 @@ class BenchmarkConfig:
     value given (``patch_sizes`` 0 = global attention).
     """
 
-    preset: str = "default"  # reference | default | quick
+    preset: str = "default"  # reference | default | gpu | quick
     device: str = "cpu"  # cpu | cuda | cuda:<index>
     repeats: int | None = None  # timed steps per mode (median and spread over these)
     warmup: int | None = None  # untimed steps first

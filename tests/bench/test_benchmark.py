@@ -99,6 +99,15 @@ def test_presets_resolve_and_reference_covers_the_issue_figures():
     }  # fmt: skip
 
 
+def test_gpu_preset_is_the_r8_net_in_both_forms_beside_its_baselines_per_batch():
+    infos = [resolve(case)[1] for case in PRESETS["gpu"].cases()]
+    for batch in (8, 32, 128):  # the paper's rotMNIST batch, and two a GPU fills better
+        at = {(i["name"], i["form"]) for i in infos if i["batch"] == batch}
+        assert at == {("r8_sa", "sum"), ("r8_sa", "single"), ("z2_sa", "sum"), ("cnn", "-")}
+    assert all(i["image_size"] == 28 for i in infos)
+    assert PRESETS["gpu"].modes[0] == "train"
+
+
 def test_select_cases_filters_and_sets_axes():
     cases = PRESETS["default"].cases()
     only_r8 = select_cases(cases, groups=["r8"], layers=["gsa"])
@@ -141,6 +150,7 @@ def _check_row(row: dict, modes=("train", "forward")) -> None:
         assert math.isfinite(row[f"{mode}_mem_mb"]) and row[f"{mode}_mem_mb"] >= 0
         assert row[f"{mode}_flops"] > 0
         assert 0 < row[f"{mode}_flop_fraction"] <= 1.5
+        assert row[f"{mode}_items_per_s"] == pytest.approx(TINY.batch / row[f"{mode}_time_s"])
 
 
 def test_measure_case_in_process_and_train_counts_more_flops():
@@ -225,8 +235,10 @@ def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
     for column in ("group_order", "patch_size", "image_size", "batch", "params",
                    "gemm_gflops", "runtime_init_mb"):  # fmt: skip
         assert cases[column].shape == (n,)
+    assert "fwd+bwd img/s" in result.stdout
     for mode in ("train", "forward"):
         assert np.all(cases[f"{mode}_time_s"] > 0)
+        assert np.allclose(cases[f"{mode}_items_per_s"], cases["batch"] / cases[f"{mode}_time_s"])
         assert np.all(cases[f"{mode}_time_iqr_s"] >= 0)
         assert np.all(cases[f"{mode}_mem_mb"] >= 0)
         assert np.all(cases[f"{mode}_flops"] > 0)

@@ -6,7 +6,7 @@ both give the same values, gradients and dropout masks) without holding the GIL 
 the attention threads then run side by side instead of queueing on it.
 
 The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
-once per source, torch and Python version) into :func:`build_directory`, under torch's
+once per source, checkout, torch and Python version) into :func:`build_directory`, under torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later
 processes load the cached build. ``SYMATTN_NATIVE=0`` in the environment turns it off. When
 it cannot be built, a warning names the reason and the core keeps its Python loops.
@@ -20,6 +20,7 @@ ours, any such file is stale and removed).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -43,12 +44,15 @@ def enabled() -> bool:
 
 def build_directory() -> Path:
     """Where the extension is built: one folder per torch and Python version (a build is
-    only valid for the torch it was compiled against)."""
+    only valid for the torch it was compiled against) and per location of the source file.
+    torch's builder rebuilds when the source's path changes, so two checkouts sharing one
+    folder (a worktree of another commit, to compare the two) would rebuild it in turn."""
     import torch
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / f"symattn-{python}-torch{torch.__version__}" / NAME
+    where = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    return Path(root) / f"symattn-{python}-torch{torch.__version__}-{where}" / NAME
 
 
 def load() -> ModuleType | None:

@@ -125,3 +125,13 @@ def test_the_build_lock_clears_a_lock_file_left_by_a_killed_build(tmp_path):
         assert not (folder / "lock").exists()
     assert gsa_native.build_directory().name == gsa_native.NAME
     assert torch.__version__ in gsa_native.build_directory().parent.name
+
+
+def test_each_checkout_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """torch's builder rebuilds when the source's path changes: two checkouts of the project
+    sharing one build folder would rebuild the extension each time the other one ran."""
+    here = gsa_native.build_directory()
+    assert gsa_native.build_directory() == here  # the same checkout: the same folder
+    monkeypatch.setattr(gsa_native, "SOURCE", tmp_path / "other" / "gsa_core.cpp")
+    there = gsa_native.build_directory()
+    assert there != here and there.parent.parent == here.parent.parent

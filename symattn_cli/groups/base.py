@@ -149,7 +149,7 @@ class Group:
     def matrix(self, e: int, dtype=torch.float64, device=None) -> torch.Tensor:
         """The 2x2 matrix of ``u = R^k M^s`` acting on (x, y) column vectors."""
         self._check(e)
-        return self.matrices(dtype, device)[e]
+        return self._matrices64[e].to(device=_device(device), dtype=dtype, copy=True)
 
     def matrices(self, dtype=torch.float64, device=None) -> torch.Tensor:
         """``(N, 2, 2)``: all elements as matrices, a new tensor on ``device`` (torch's default

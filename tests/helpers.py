@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: run the real ``symattn`` command in a scratch directory."""
+"""Helpers shared by the tests: run the real ``symattn`` command in a scratch directory, and
+take a module's values and gradients."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ TINY_TRAIN = [
     "trainer.progress=plain",
     "logger.mode=disabled",
 ]
+
+
+def values_and_gradients(module, x, seed: int = 1) -> list:
+    """``[output, *gradients]`` of a random weighted sum of ``module(x)``: the input's gradient
+    (when ``x`` is floating point), then the parameters' that are not None. ``seed`` fixes the
+    dropout masks, so that two calls compare the same computation. The weights are drawn on
+    the host (their generator's device) and moved to the output's: the call may run under
+    another default device."""
+    import torch
+
+    torch.manual_seed(seed)
+    inputs = x.clone().requires_grad_() if x.is_floating_point() else x
+    out = module(inputs)
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = torch.randn(out.shape, generator=gen, dtype=out.dtype, device="cpu").to(out.device)
+    leaves = ([inputs] if inputs.requires_grad else []) + list(module.parameters())
+    grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)
+    return [out.detach(), *(g for g in grads if g is not None)]
 
 
 def symattn_env() -> dict[str, str]:

@@ -15,6 +15,7 @@ import symattn_cli
 import symattn_cli.nn.gsa_core as core
 from symattn_cli.models.registry import default_spec, model_config
 from symattn_cli.nn.gsa import AUTO_CHUNK
+from tests.helpers import values_and_gradients
 
 NARROW_GSA = {"channels": 8, "heads": 2}  # the paper's layout at a test-sized width
 
@@ -37,13 +38,6 @@ def _model_and_input(name: str):
     return model, torch.randn(1, 1, 28, 28, generator=gen)
 
 
-def _values_and_gradients(model: torch.nn.Module, x: torch.Tensor):
-    torch.manual_seed(1)  # the same dropout masks in both runs
-    out = model(x)
-    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()), allow_unused=True)
-    return [out.detach(), *(g for g in grads if g is not None)]
-
-
 @pytest.mark.parametrize("name", symattn_cli.list_models())
 def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypatch):
     monkeypatch.setattr(core, "_host_paths", lambda device: False)  # the GPU paths
@@ -52,9 +46,9 @@ def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypa
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.2
     model.train()
-    reference = _values_and_gradients(model, x)
+    reference = values_and_gradients(model, x)
     with torch.device("meta"):
-        placed = _values_and_gradients(model, x)
+        placed = values_and_gradients(model, x)
     assert len(placed) == len(reference) > 1
     for a, b in zip(placed, reference, strict=True):
         assert a.device == b.device and torch.equal(a, b)

@@ -26,10 +26,15 @@ def native() -> None:
 def cpu_loops(request, monkeypatch) -> str:
     """Runs a test with the attention core's chunk loops in Python, then in C++ (for tests of
     what only the CPU paths do: worker threads, scratch buffers)."""
-    if request.param == "native":
+    return _use_loops(request.param, monkeypatch)
+
+
+def _use_loops(kind: str, monkeypatch) -> str:
+    """The core's chunk loops in C++ for ``kind == "native"``, else in Python."""
+    if kind == "native":
         _require_native()
-    monkeypatch.setattr(core, "NATIVE", request.param == "native")
-    return request.param
+    monkeypatch.setattr(core, "NATIVE", kind == "native")
+    return kind
 
 
 @pytest.fixture(params=["python", "native", "accelerator"])
@@ -38,9 +43,7 @@ def loops(request, monkeypatch):
     0/1-matrix sums, fresh buffers, one thread, the Python loops), here on the CPU. For the
     last, the test also fails if it never reached a device decision of the core, or if a
     CPU-only helper ran."""
-    if request.param == "native":
-        _require_native()
-    monkeypatch.setattr(core, "NATIVE", request.param == "native")
+    _use_loops(request.param, monkeypatch)
     if request.param != "accelerator":
         yield request.param
         return

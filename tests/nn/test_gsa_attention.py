@@ -11,6 +11,7 @@ import symattn_cli.nn.gsa_core as core
 from symattn_cli.groups import GROUP_NAMES, get_group
 from symattn_cli.nn.gsa import GroupSelfAttention
 from symattn_cli.verify.gsa import build_probe, layer_equivariance, randomize_encodings
+from tests.helpers import values_and_gradients
 
 KINDS = ["lifting", "group_sum", "group_single"]
 
@@ -25,17 +26,6 @@ def test_exact_equivariance_float64(group, kind, size):
     assert worst <= 1e-10, records
 
 
-def _values_and_gradients(module: torch.nn.Module, x: torch.Tensor):
-    torch.manual_seed(1)  # the same attention-dropout masks on both paths
-    x = x.clone().requires_grad_()
-    out = module(x)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
-    (out * weights).sum().backward()
-    grads = [x.grad] + [p.grad.clone() for p in module.parameters() if p.grad is not None]
-    module.zero_grad(set_to_none=True)
-    return out.detach(), grads
-
-
 @pytest.mark.parametrize("group", ["z4m", "r8"])
 @pytest.mark.parametrize("kind", [*KINDS, "network"])
 def test_gpu_paths_agree_and_are_exactly_equivariant(group, kind, monkeypatch):
@@ -48,10 +38,10 @@ def test_gpu_paths_agree_and_are_exactly_equivariant(group, kind, monkeypatch):
         if isinstance(layer, GroupSelfAttention):
             layer.attention_dropout.p = 0.2
     module.train()
-    cpu_out, cpu_grads = _values_and_gradients(module, x)
+    cpu_out, *cpu_grads = values_and_gradients(module, x)
     asked = []
     monkeypatch.setattr(core, "_host_paths", lambda device: asked.append(device) or False)
-    gpu_out, gpu_grads = _values_and_gradients(module, x)
+    gpu_out, *gpu_grads = values_and_gradients(module, x)
     assert asked  # the core did take the other paths
     assert torch.allclose(gpu_out, cpu_out, rtol=0, atol=1e-12 * cpu_out.abs().max())
     # One scale for every gradient: some are zero up to round-off (the key bias adds the same

@@ -281,3 +281,18 @@ def test_unknown_preset_is_one_line_and_exit_2(workdir: Path):
     assert len(lines) == 1 and "preset='fastest'" in lines[0]
     assert all(name in lines[0] for name in PRESETS)
     assert not (workdir / "run.h5").exists()
+
+
+def test_gpu_preset_on_the_cpu_says_what_it_costs_and_reports_throughput(workdir: Path):
+    """Narrowed to the CNN at batch 1 (seconds); the note names the way out."""
+    out = workdir / "gpu"
+    result = run_symattn(
+        "benchmark", "preset=gpu", "models=[cnn]", "batch_sizes=[1]", "repeats=1", "warmup=0",
+        "count_flops=false", "plot=false", "logger.mode=disabled", f"hydra.run.dir={out}",
+        cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "note: preset=gpu on the CPU" in result.stdout and "device=cuda" in result.stdout
+    assert "fwd+bwd img/s" in result.stdout
+    cases = read_table(out / "run.h5", "cases")
+    assert cases["name"].tolist() == ["cnn"] and np.all(cases["train_items_per_s"] > 0)

@@ -303,33 +303,22 @@ def summarize_times(times: list[float], cpu: list[float] | None = None) -> dict[
 def count_flops(step: Callable[[], None], module: Any) -> int:
     """Matrix-product and convolution FLOPs of one step, without activation recomputation.
 
-    Runs with one CPU thread: the counter sees only the calling thread's operations, and the
-    attention core otherwise shares its chunks among worker threads. The core's small-product
-    packing and its sums through 0/1 matrices are off while counting (``plain_products``):
-    their extra multiplications by 0 and 1 are not the model's arithmetic.
+    The counter sees tensor operations, not the inside of a fused kernel: attention layers
+    run their plain PyTorch backend while counting (the same algorithm, the same products),
+    without recomputation.
     """
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from symattn_cli.nn.gsa_core import plain_products
-
-    saved = {m: m.checkpointing for m in module.modules() if hasattr(m, "checkpointing")}
-    workers = {m: m.attention_threads for m in module.modules() if hasattr(m, "attention_threads")}
-    for m in saved:
-        m.checkpointing = False
-    for m in workers:
-        m.attention_threads = 1
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    layers = [m for m in module.modules() if hasattr(m, "attention_backend")]
+    saved = [(m.attention_backend, m.checkpointing) for m in layers]
+    for m in layers:
+        m.attention_backend, m.checkpointing = "torch", False
     try:
-        with plain_products(), FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter:
             step()
     finally:
-        torch.set_num_threads(threads)
-        for m, value in saved.items():
-            m.checkpointing = value
-        for m, value in workers.items():
-            m.attention_threads = value
+        for m, (backend, checkpointing) in zip(layers, saved, strict=True):
+            m.attention_backend, m.checkpointing = backend, checkpointing
     return int(counter.get_total_flops())
 
 
@@ -366,13 +355,21 @@ def prime_runtime(device: Any) -> float:
     return max(_status_kb("VmRSS") * 1024 - before, 0) / MB
 
 
+def _attention_backend(module: Any, device: Any) -> str:
+    """The attention core's backend in ``module`` on ``device`` ("" without attention)."""
+    from symattn_cli.nn.gsa_core import backend_for
+
+    backends = {
+        backend_for(device, backend=m.attention_backend)
+        for m in module.modules()
+        if hasattr(m, "attention_backend")
+    }
+    return ",".join(sorted(backends))
+
+
 def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
     """Measure ``case`` in this process; returns one result row (see the module docstring).
-
-    The process's torch thread count is restored afterwards: a GSA case spends its budget on
-    attention threads with one intra-op thread (:func:`~symattn_cli.nn.gsa.share_cpu_threads`),
-    and the next in-process case must start from the same budget.
-    """
+    The process's torch thread count is restored afterwards."""
     import torch
 
     if settings.threads > 0:
@@ -387,16 +384,11 @@ def measure_case(case: Case, settings: Settings) -> dict[str, Any]:
 def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     import torch
 
-    from symattn_cli.nn.gsa import share_cpu_threads
-    from symattn_cli.nn.gsa_core import chunk_loops
-
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
     init_mb = prime_runtime(device)
     gemm = matmul_gflops(device=device)
     module, x, loss_fn = build_case(case, device)
-    if device.type == "cpu":  # attention models: the budget goes to their attention workers
-        share_cpu_threads(module, budget)
     memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()
     sync = _sync(device)
     row: dict[str, Any] = {
@@ -405,7 +397,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         "runtime_init_mb": init_mb,
         "threads": budget,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-        "attention_loops": chunk_loops(device),
+        "attention_backend": _attention_backend(module, device),
         "device": str(device),
     }
     for mode in settings.modes:

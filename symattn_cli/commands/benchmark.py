@@ -131,7 +131,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
 
     from symattn_cli.bench import report
     from symattn_cli.bench.measure import matmul_gflops
-    from symattn_cli.nn.gsa_core import chunk_loops
+    from symattn_cli.nn.gsa_core import backend_for
     from symattn_cli.train.runfile import write_results_file
 
     settings = _settings(cfg, preset)
@@ -154,18 +154,18 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)
-    loops = chunk_loops(settings.device)  # builds the C++ core here, not in a timed case
+    backend = backend_for(settings.device)  # builds the C++ kernel here, not in a timed case
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "
         f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
-        f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention loops {loops}",
+        f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backend}",
         flush=True,
     )
-    if loops != "c++" and settings.device == "cpu":
+    if backend != "cpp" and settings.device == "cpu":
         print(
-            "note: the GSA attention runs its Python loops (SYMATTN_NATIVE=0, or the C++ core "
-            "did not build: see the warning above); its times are not the C++ core's",
+            "note: the GSA attention runs its plain PyTorch backend (SYMATTN_NATIVE=0, or the "
+            "C++ kernel did not build: see the warning above); its times are not the kernel's",
             flush=True,
         )
     if preset.name == "gpu" and settings.device == "cpu":

@@ -60,7 +60,6 @@ def train(cfg: Any) -> dict[str, float]:
 
     from symattn_cli.data.registry import build_data
     from symattn_cli.models.registry import build_model
-    from symattn_cli.nn.gsa import share_cpu_threads
     from symattn_cli.train.curves import CURVES_FILE, epoch_plotter
     from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
     from symattn_cli.train.progress import Progress
@@ -94,9 +93,6 @@ def train(cfg: Any) -> dict[str, float]:
         model = build_model(model_options, data.spec)
     except ValueError as err:  # constructors validate their keyword arguments
         raise ConfigError(f"model: {err}") from None
-    device = resolve_device(settings.device)
-    if device.type == "cpu":  # attention models: the budget (set above) goes to their workers
-        share_cpu_threads(model, torch.get_num_threads())
     names = metric_names(data.spec.task, data.extra_tests)
 
     if resume_path is not None:

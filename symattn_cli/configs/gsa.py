@@ -27,9 +27,9 @@ class GSANetConfig:
     pool_dropout: float = 0.0
     input_pool: int = 1  # average-pool the input by this factor first (CPU presets)
     norm: str = "layer"  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
-    checkpointing: bool = True  # recompute attention in the backward pass (memory)
-    chunk_elements: int = 0  # numbers in the attention's largest chunk tensor; 0 = auto per device
-    attention_threads: int = 0  # CPU threads sharing the attention chunks; 0 = torch's count
+    checkpointing: bool = True  # torch backend: recompute attention in the backward (memory)
+    chunk_elements: int = 0  # torch backend: numbers in its largest chunk tensor; 0 = auto
+    attention_backend: str = "auto"  # auto (C++ kernel on CPU), cpp, or torch (plain PyTorch)
     in_channels: int = 0  # 0 = from the data
     num_classes: int = 0  # 0 = from the data
 

@@ -141,7 +141,7 @@ class GSANet(nn.Module):
         input_pool: int = 1,
         checkpointing: bool = True,
         chunk_elements: int = 0,
-        attention_threads: int = 0,
+        attention_backend: str = "auto",
         group_index: str = "relative",
         init_gain: float = 2**0.5,
         norm: str = "layer",
@@ -163,7 +163,7 @@ class GSANet(nn.Module):
                 head_dim=max(c_out // 2, 1), patch_size=patch_size, lifting=lifting,
                 query_form=query_form, attention_dropout=attention_dropout,
                 checkpointing=checkpointing, chunk_elements=chunk_elements,
-                attention_threads=attention_threads,
+                attention_backend=attention_backend,
                 group_index=group_index,
             )  # fmt: skip
 
@@ -255,7 +255,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         input_pool=options.get("input_pool", 1),
         checkpointing=options.get("checkpointing", True),
         chunk_elements=options.get("chunk_elements", 0),
-        attention_threads=options.get("attention_threads", 0),
+        attention_backend=options.get("attention_backend", "auto"),
         group_index=options.get("group_index", "relative"),
         norm=options.get("norm", "layer"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},

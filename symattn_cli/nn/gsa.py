@@ -28,18 +28,12 @@ Two query forms:
   ``"single"``: one query per output element, g = v: N times cheaper, same law.
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
-Memory: the core keeps only q, k, v and the encodings for the backward pass (dropout masks
-are redrawn from per-chunk seeds) and recomputes each chunk of queries there
-(``checkpointing=True``, the default), so peak memory is one chunk's working set
-(``chunk_elements`` numbers in its largest tensor; 0 = :data:`AUTO_CHUNK` for the device:
-cache-sized on CPU, large on GPUs).
-
-CPU threads: the chunks are shared among ``attention_threads`` threads, each running its
-chunks in one call into the core's C++ loops (without the GIL), whose operations run
-single-threaded (0 = torch's thread count, for large enough layers). The
-operations outside the attention are small too, and run fastest without OpenMP barriers:
-:func:`share_cpu_threads` (applied by ``symattn train`` and ``symattn benchmark``) gives a
-model's whole CPU thread budget to its attention layers and one thread to torch.
+Memory and speed: the core (:mod:`symattn_cli.nn.gsa_core`) keeps only q, k, v and the
+encodings for the backward pass and recomputes the rest there. On CPU it runs a fused C++
+kernel over torch's intra-op threads; elsewhere (or with ``attention_backend="torch"``) a
+plain PyTorch version over chunks of queries (``chunk_elements`` numbers in the largest chunk
+tensor; 0 = :data:`AUTO_CHUNK` for the device). Global layers evaluate the spatial encoding
+once per distinct offset, not per (query, key) pair.
 """
 
 from __future__ import annotations
@@ -51,14 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from symattn_cli.groups import Group, grid_coordinates
-from symattn_cli.nn.gsa_core import dense_attention, dense_weights, factorised_attention
+from symattn_cli.nn.gsa_core import (
+    BACKENDS,
+    dense_attention,
+    dense_weights,
+    factorised_attention,
+)
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")
-# Numbers in the largest per-chunk tensor: cache-sized on CPU, large on GPUs where every
-# operation is a kernel launch. On 2 cores, with the C++ chunk loops, 2^19 runs the rotMNIST r4
-# net's step no faster than 2^18 (0.300 against 0.301-0.305 s) but with 83 MB of peak memory
-# instead of 66-70 (each thread's buffers double), and gsa_mini 10% slower.
+# Numbers in the largest chunk tensor of the torch backend: cache-sized on CPU, large on GPUs
+# where every operation is a kernel launch.
 AUTO_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 26}
 GROUP_INDEX = ("relative", "shifted")
 POSITION_KINDS = ("relative", "none")
@@ -90,7 +87,7 @@ class GroupSelfAttention(nn.Module):
         group_index: str = "relative",
         checkpointing: bool = True,
         chunk_elements: int = 0,
-        attention_threads: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
@@ -108,10 +105,8 @@ class GroupSelfAttention(nn.Module):
             raise ValueError(f"position={position!r}; choose one of {POSITION_KINDS}")
         if chunk_elements < 0:
             raise ValueError(f"chunk_elements={chunk_elements} must be >= 0 (0 = automatic)")
-        if attention_threads < 0:
-            raise ValueError(
-                f"attention_threads={attention_threads} must be >= 0 (0 = torch's thread count)"
-            )
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={attention_backend!r}; choose one of {BACKENDS}")
         self.group = group
         self.heads = heads
         self.head_dim = head_dim or max(out_channels // 2, 1)
@@ -122,7 +117,7 @@ class GroupSelfAttention(nn.Module):
         self.max_offset = max_offset
         self.checkpointing = checkpointing
         self.chunk_elements = chunk_elements
-        self.attention_threads = attention_threads
+        self.attention_backend = attention_backend
         d, inner = self.head_dim, heads * self.head_dim
 
         # 1x1 maps on (B, C, M, I), applied as Conv2d over the (M, I) axes.
@@ -206,8 +201,7 @@ class GroupSelfAttention(nn.Module):
             coords = grid_coordinates(height, width, dtype=x.dtype, device=x.device)  # (H, W, 2)
             offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
             longest = (coords[0, 0] - coords[-1, -1]).norm().clamp_min(1.0)  # corner to corner
-            rho_xy, rho_h = self._encodings(offsets, self.max_offset or float(longest))
-            rho_xy = None if rho_xy is None else rho_xy[:, None]  # (V, 1, J, E): its table
+            rho_xy, rho_h = self._encodings(offsets, self.max_offset or float(longest))  # (V,J,E)
             neighbour, valid = torch.arange(height * width, device=x.device)[None], None
         else:  # the P x P neighbourhood, as _attend_local
             p, r = self.patch_size, self.patch_size // 2
@@ -218,8 +212,8 @@ class GroupSelfAttention(nn.Module):
             offsets = offsets.reshape(-1, 2)  # (J, 2)
             rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))
         weights = dense_weights(
-            q, k, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=self.group.order,
-            rows=slice(0, 1),
+            q, k, rho_h, rho_xy, None, neighbour, valid, form=self.query_form,
+            n=self.group.order, rows=slice(0, 1),
         )  # fmt: skip
         return weights.reshape(*weights.shape[:3], *side, m)  # (h, V, G, P, P, M)
 
@@ -266,8 +260,9 @@ class GroupSelfAttention(nn.Module):
         out = out.permute(0, 1, 4, 3, 2).reshape(b, -1, self.group.order, n_points)  # (B,hd,V,L)
         return self.w_out(out).reshape(b, -1, self.group.order, *spatial)
 
-    def _attend(self, q, k, v, rho_xy, rho_h, neighbour, valid) -> torch.Tensor:
-        """q ``(Z, L, G, d)`` (scaled), k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)`` -> ``(Z, L,
+    def _attend(self, q, k, v, rho_xy, rho_h, offsets, neighbour, valid) -> torch.Tensor:
+        """q ``(Z, L, G, d)`` (scaled), k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)``, spatial
+        encoding ``rho_xy`` ``(V, D, E)`` at ``offsets`` ``(L, J)`` (None: local) -> ``(Z, L,
         V, d)``.
 
         The shared core of every layer kind: :func:`factorised_attention`, or the reference's
@@ -281,14 +276,15 @@ class GroupSelfAttention(nn.Module):
         drop = self.attention_dropout.p if self.training else 0.0
         if rho_h is not None and rho_h.dim() == 4:  # negative control: (m - g + v) index
             per_query *= n * g
+            seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
             return dense_attention(
-                q, k, v, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=n,
-                dropout=self.attention_dropout, chunk=max(1, budget // per_query),
+                q, k, v, rho_h, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
+                drop=drop, seed=seed, chunk=max(1, budget // per_query),
             )  # fmt: skip
-        recompute = self.checkpointing and torch.is_grad_enabled()
-        return factorised_attention(  # q_ig . rho_H(g^-1 m) on q's last channels: in the core
-            q, k, v, rho_h, rho_xy, neighbour, valid, form=self.query_form, n=n,
-            drop=drop, chunk=chunk, recompute=recompute, threads=self.attention_threads,
+        return factorised_attention(
+            q, k, v, rho_h, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
+            drop=drop, chunk=chunk, recompute=self.checkpointing,
+            backend=self.attention_backend,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ local (P x P)
@@ -319,7 +315,7 @@ class GroupSelfAttention(nn.Module):
 
         offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
-        out = self._attend(q, k, v, rho_xy, rho_h, neighbour, valid)  # (Z, L, V, d)
+        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global
@@ -329,9 +325,12 @@ class GroupSelfAttention(nn.Module):
         q, k, v = (t.permute(0, 3, 2, 1).contiguous() for t in self._qkv(x))  # (Z, I, M, d)
         offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
         scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
-        rho_xy, rho_h = self._encodings(offsets, scale)  # (V, I, J, E)
+        # rho_xy once per distinct offset ((2H-1)(2W-1) on a grid), indexed per pair
+        distinct, index = torch.unique(offsets.reshape(-1, 2), dim=0, return_inverse=True)
+        rho_xy, rho_h = self._encodings(distinct, scale)  # (V, D, E)
         everyone = torch.arange(n_points, device=x.device).expand(n_points, n_points)  # (I, J)
-        out = self._attend(q, k, v, rho_xy, rho_h, everyone, None)  # (Z, I, V, d)
+        index = index.view(n_points, n_points)  # (I, J) into D
+        out = self._attend(q, k, v, rho_xy, rho_h, index, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
 
 
@@ -345,31 +344,6 @@ def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int,
     index = rows.clamp(0, height - 1) * width + cols.clamp(0, width - 1)  # (A, B, P, P)
     inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)  # (A, B, P, P)
     return index.reshape(-1, p * p), inside.reshape(-1, p * p)
-
-
-def share_cpu_threads(model: nn.Module, threads: int) -> int:
-    """Split a CPU budget of ``threads`` between torch's intra-op pool and attention workers.
-
-    A model with group self-attention layers gets one intra-op thread, and its layers left
-    at ``attention_threads=0`` get ``threads`` workers (explicit values are kept); any other
-    model, or one with a layer on the reference's dense algorithm (``group_index="shifted"``,
-    which has no workers), gets ``threads`` intra-op threads. Returns the intra-op count set.
-
-    Why: these models are made of many small operations, each of which pays an OpenMP
-    barrier per call when intra-op threads are on. On the 2-core CPU used for this project, one
-    intra-op thread and two attention threads train the rotMNIST r4 / r8 / z2 nets 1.3x /
-    1.2x / 1.9x faster than two intra-op threads (with attention threads at their default).
-    """
-    if threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1")
-    layers = [m for m in model.modules() if isinstance(m, GroupSelfAttention)]
-    for layer in layers:
-        if layer.attention_threads == 0:
-            layer.attention_threads = threads
-    dense = any(layer.group_index != "relative" for layer in layers)
-    intra = 1 if layers and not dense else threads
-    torch.set_num_threads(intra)
-    return intra
 
 
 def lifting_self_attention(**kwargs) -> GroupSelfAttention:

@@ -1,15 +1,11 @@
-"""The C++ chunk loops of the attention core (``gsa_core.cpp``), built on first use.
-
-:mod:`symattn_cli.nn.gsa_core` runs its chunks either as Python loops or, on CPU, through
-this extension, which makes the same tensor operations in the same order (tests check that
-both give the same values, gradients and dropout masks) without holding the GIL between them:
-the attention threads then run side by side instead of queueing on it.
+"""The fused CPU kernel of the attention core (``gsa_kernel.cpp``), built on first use.
 
 The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
-once per source, checkout, torch and Python version) into :func:`build_directory`, under torch's
-extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later
-processes load the cached build. ``SYMATTN_NATIVE=0`` in the environment turns it off. When
-it cannot be built, a warning names the reason and the core keeps its Python loops.
+once per source, checkout, CPU, torch and Python version) into :func:`build_directory`, under
+torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
+later processes load the cached build. It is compiled for the host CPU (``-march=native``).
+``SYMATTN_NATIVE=0`` in the environment turns it off. When it cannot be built, a warning names
+the reason and the core runs its plain PyTorch backend (the same values, more slowly).
 
 Builds are serialised by an advisory lock that the system releases when its holder dies, so
 a process killed while compiling does not leave the next one waiting forever (older torch
@@ -29,8 +25,12 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).with_name("gsa_core.cpp")
-NAME = "symattn_gsa_core"
+import torch
+
+from symattn_cli.nn import gsa_core
+
+SOURCE = Path(__file__).with_name("gsa_kernel.cpp")
+NAME = "symattn_gsa_kernel"
 ENV = "SYMATTN_NATIVE"
 
 _LOCK = threading.Lock()
@@ -44,15 +44,26 @@ def enabled() -> bool:
 
 def build_directory() -> Path:
     """Where the extension is built: one folder per torch and Python version (a build is
-    only valid for the torch it was compiled against) and per location of the source file.
-    torch's builder rebuilds when the source's path changes, so two checkouts sharing one
-    folder (a worktree of another commit, to compare the two) would rebuild it in turn."""
-    import torch
-
+    only valid for the torch it was compiled against), per CPU (it is compiled for the host's
+    instruction set) and per location of the source file (torch's builder rebuilds when the
+    source's path changes, so two checkouts sharing one folder would rebuild it in turn)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    where = hashlib.sha1(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    where = hashlib.sha1(f"{SOURCE.resolve()}|{_cpu_flags()}".encode()).hexdigest()[:8]
     return Path(root) / f"symattn-{python}-torch{torch.__version__}-{where}" / NAME
+
+
+def _cpu_flags() -> str:
+    """The host CPU's feature flags (Linux), or its machine name elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
 
 
 def load() -> ModuleType | None:
@@ -97,7 +108,7 @@ def _build() -> ModuleType | None:
     notice = threading.Timer(
         2.0,
         lambda: print(
-            "symattn: compiling the C++ attention core (once per version, about 30 s) ...",
+            "symattn: compiling the C++ attention kernel (once per version, about 30 s) ...",
             file=sys.stderr,
             flush=True,
         ),
@@ -112,16 +123,16 @@ def _build() -> ModuleType | None:
             return cpp_extension.load(
                 name=NAME,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3"],
+                extra_cflags=["-O3", "-march=native"],
                 build_directory=str(folder),
                 verbose=False,
             )
     except Exception as error:  # a missing compiler or ninja, a failed build
         reason = " ".join(str(error).split())[:300]
         warnings.warn(
-            f"symattn: the C++ attention core could not be built ({type(error).__name__}: "
-            f"{reason}); the attention runs its Python loops, which give the same values "
-            "more slowly. Install a C++ compiler and `pip install ninja` to build it, or set "
+            f"symattn: the C++ attention kernel could not be built ({type(error).__name__}: "
+            f"{reason}); the attention runs its plain PyTorch backend, which gives the same "
+            "values more slowly. Install a C++ compiler and `pip install ninja` to build it, or set "
             f"{ENV}=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
@@ -129,3 +140,39 @@ def _build() -> ModuleType | None:
         return None
     finally:
         notice.cancel()
+
+
+class FusedAttention(torch.autograd.Function):
+    """The kernel's forward and backward as an autograd function (arguments: see
+    :func:`fused_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+        module = load()
+        args = (offsets, neighbour, valid, single, n, threshold, seed)
+        ctx.save_for_backward(q, k, v, gl, rho)
+        ctx.args = args
+        return module.forward(q, k, v, gl, rho, *args)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, gl, rho = ctx.saved_tensors
+        grads = load().backward(grad_out.contiguous(), q, k, v, gl, rho, *ctx.args)
+        return *grads, *(None,) * 7
+
+
+def fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed):
+    """The factorised attention (:mod:`symattn_cli.nn.gsa_core`) by the fused CPU kernel,
+    without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``gl`` ``(Z, L, M, G)``: the group
+    logits, or None."""
+
+    def flat(t):
+        return None if t is None else t.contiguous()
+
+    q, k, v, gl, rho = (flat(t) for t in (q, k, v, gl, rho))
+    threshold = round(drop * gsa_core.DROP_STEPS)
+    return FusedAttention.apply(
+        q, k, v, gl, rho, flat(offsets), flat(neighbour), flat(valid), form == "single", n,
+        threshold, seed,
+    )  # fmt: skip

@@ -307,11 +307,7 @@ class Trainer:
         s = self.settings
         where = f"device {self.device}"
         if self.device.type == "cpu":
-            where += f" (threads: {torch.get_num_threads()} intra-op"
-            attention = {getattr(m, "attention_threads", 0) for m in self.model.modules()} - {0}
-            if attention:
-                where += f" + {max(attention)} attention"
-            where += ")"
+            where += f" ({torch.get_num_threads()} threads)"
         self.progress.message(
             f"model: {type(self.model).__name__}, {count_parameters(self.model):,} parameters, "
             f"{where}, {len(self.data.train)} train / {len(self.data.val)} val / "

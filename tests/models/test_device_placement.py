@@ -3,7 +3,7 @@
 No GPU is needed to check it: with the default device set to ``meta``, a tensor made without
 naming a device lands there, and the first operation that mixes it with the model's CPU
 tensors fails (or, for an index, reads nothing: hence the comparison of values). The attention
-core takes the paths it takes on a GPU (``gsa_core._host_paths``).
+core takes its plain PyTorch backend, the one a GPU without a kernel takes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _model_and_input(name: str):
 
 @pytest.mark.parametrize("name", symattn_cli.list_models())
 def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypatch):
-    monkeypatch.setattr(core, "_host_paths", lambda device: False)  # the GPU paths
+    monkeypatch.setattr(core, "backend_for", lambda device, dtype=None, backend="auto": "torch")
     model, x = _model_and_input(name)
     for module in model.modules():  # dropout on, where the model has it
         if isinstance(module, torch.nn.Dropout):

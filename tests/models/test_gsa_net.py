@@ -122,15 +122,14 @@ def test_create_model_and_presets():
 
 
 def test_default_preset_is_exactly_rotation_invariant_on_digits():
-    """gsa_mini, the default model (R4, batch norm), in float64 on 28 x 28 inputs, its
-    attention on two worker threads as in training: every quarter turn leaves the logits
-    unchanged, in training and evaluation."""
+    """gsa_mini, the default model (R4, batch norm), in float64 on 28 x 28 inputs, on two
+    threads as in training: every quarter turn leaves the logits unchanged, in training and
+    evaluation."""
     torch.manual_seed(0)
     model = symattn_cli.create_model("gsa_mini").double()
     assert n_params(model) == 21_618 and model.group == symattn_cli.get_group("r4")
-    for m in model.modules():
-        if hasattr(m, "attention_threads"):
-            m.attention_threads = 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     x = torch.rand(3, 1, 28, 28, dtype=torch.float64)
     for training in (True, False):
         model.train(training)
@@ -139,33 +138,10 @@ def test_default_preset_is_exactly_rotation_invariant_on_digits():
             for e in range(model.group.order):
                 turned = model(model.group.act_on_image(e, x))
                 assert (turned - reference).abs().max() <= 1e-10 * reference.abs().max()
+    torch.set_num_threads(threads)
 
 
 def test_full_rotmnist_model_runs_on_28x28():
     model = build({"group": "r4"}, ROTMNIST).eval()
     with torch.no_grad():
         assert model(torch.randn(1, 1, 28, 28)).shape == (1, 10)
-
-
-def test_cpu_thread_budget_goes_to_the_attention_workers():
-    """share_cpu_threads: a GSA-Net gets one intra-op thread and its automatic layers the
-    budget (explicit ones keep theirs); other models, and the reference's dense algorithm,
-    get the budget as intra-op threads."""
-    from symattn_cli.nn.gsa import share_cpu_threads
-
-    threads = torch.get_num_threads()
-    try:
-        model = symattn_cli.create_model("gsa_mini")
-        layers = [m for m in model.modules() if hasattr(m, "attention_threads")]
-        layers[0].attention_threads = 5
-        assert share_cpu_threads(model, 3) == 1 and torch.get_num_threads() == 1
-        assert [m.attention_threads for m in layers] == [5] + [3] * (len(layers) - 1)
-        cnn = symattn_cli.create_model("cnn")
-        assert share_cpu_threads(cnn, 2) == 2 and torch.get_num_threads() == 2
-        control = symattn_cli.create_model("gsa_mini")
-        [m for m in control.modules() if hasattr(m, "group_index")][1].group_index = "shifted"
-        assert share_cpu_threads(control, 2) == 2
-        with pytest.raises(ValueError, match="threads=0"):
-            share_cpu_threads(cnn, 0)
-    finally:
-        torch.set_num_threads(threads)

@@ -28,26 +28,28 @@ def test_exact_equivariance_float64(group, kind, size):
 
 @pytest.mark.parametrize("group", ["z4m", "r8"])
 @pytest.mark.parametrize("kind", [*KINDS, "network"])
-def test_gpu_paths_agree_and_are_exactly_equivariant(group, kind, monkeypatch):
-    """The attention core's paths for GPUs (no packed products, no 0/1-matrix sums, fresh
-    buffers, one thread, the Python loops; see ``gsa_core._host_paths``), run here on the CPU:
-    the CPU paths' values and gradients in float64, with attention dropout on, and exact
-    equivariance for every grid-exact element."""
+def test_torch_backend_agrees_and_is_exactly_equivariant(group, kind, monkeypatch, kernel):
+    """The plain PyTorch backend (the path of devices without a kernel) gives the fused CPU
+    kernel's values and gradients in float64, with attention dropout on (the same masks), and
+    is exactly equivariant for every grid-exact element."""
     module, x = build_probe(get_group(group), kind, image_size=6, dtype=torch.float64)
     for layer in module.modules():
         if isinstance(layer, GroupSelfAttention):
             layer.attention_dropout.p = 0.2
     module.train()
+    assert core.backend_for(x.device, x.dtype) == "cpp"
     cpu_out, *cpu_grads = values_and_gradients(module, x)
     asked = []
-    monkeypatch.setattr(core, "_host_paths", lambda device: asked.append(device) or False)
-    gpu_out, *gpu_grads = values_and_gradients(module, x)
-    assert asked  # the core did take the other paths
-    assert torch.allclose(gpu_out, cpu_out, rtol=0, atol=1e-12 * cpu_out.abs().max())
+    monkeypatch.setattr(
+        core, "backend_for", lambda device, dtype=None, backend="auto": asked.append(1) or "torch"
+    )
+    torch_out, *torch_grads = values_and_gradients(module, x)
+    assert asked  # the core did take the other backend
+    assert torch.allclose(torch_out, cpu_out, rtol=0, atol=1e-12 * cpu_out.abs().max())
     # One scale for every gradient: some are zero up to round-off (the key bias adds the same
     # logit to every key of a softmax).
     scale = max(g.abs().max() for g in cpu_grads)
-    for a, b in zip(gpu_grads, cpu_grads, strict=True):
+    for a, b in zip(torch_grads, cpu_grads, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-12 * scale)
     records = layer_equivariance(group, kind, image_size=6)
     assert len(records) == len(get_group(group).grid_exact_elements())

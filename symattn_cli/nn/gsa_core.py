@@ -109,7 +109,7 @@ def _spatial_table(rho: torch.Tensor, offsets: torch.Tensor | None, rows: slice,
 def _torch_chunk(q, k, v, gl, rho, offsets, neighbour, valid, keep, rows, form, n):
     """The factorised algorithm for queries ``rows``, in plain PyTorch: ``(Z, Lc, V, d)``."""
     z, lc, g, d = q.shape
-    m, j = k.shape[2], neighbour.shape[1]
+    j = neighbour.shape[1]
     nb = neighbour[rows]  # (Lc, J)
     k_nb, v_nb = k[:, nb], v[:, nb]  # (Z, Lc, J, M, d)
     c = torch.einsum("zlgc,zljmc->zljmg", q, k_nb)  # (Z, Lc, J, M, G)

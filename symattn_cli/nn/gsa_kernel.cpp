@@ -1,13 +1,17 @@
 // The fused CPU kernel of the factorised attention core (gsa_core.py states the algorithm and
-// the letters). One query at a time, its logits, both softmaxes and the value sums live in a
-// small per-thread workspace, never as tensors; the backward recomputes them per query.
+// the letters). Queries are taken a tile of T at a time (one 64-byte vector of lanes: 16
+// floats or 8 doubles), one query per lane: every step of the per-query algorithm below is
+// then a vector operation across the tile, whatever the (small) sizes of J, M, G and d. A
+// tile's logits, both softmaxes and the value sums live in a per-thread workspace laid out
+// (..., T), never as tensors; the backward recomputes them per tile.
 //
 // Per query i (of batch-head z), with q (G, d), its neighbours' keys and values (J, M, d):
-//   c[j,m,g]  = q[g] . k[j,m] + gl[m,g]                    content + group logits
-//   pi[j,m,g] = softmax_m c[j,:,g],  lse[j,g] = logsumexp_m c[j,:,g]
-//   W[j,g]    = sum_m pi[j,m,g] keep[j,m,g] v[j,m]          (keep: the dropout mask)
-//   t[k,j,g]  = lse[j,g] + q[g,:e] . rho[k or g, off(i,j)]  (-inf where j is outside)
-//   beta      = softmax_j t[k,:,g]
+//   c[j,m,g]  = q[g] . k[j,m] + gl[m,g]                  content + group logits
+//   mx[j,g]   = max_m c[j,:,g],  sm[j,g] = sum_m exp(c[j,m,g] - mx[j,g])
+//   pi[j,m,g] = exp(c[j,m,g] - mx[j,g]) / sm[j,g]       (lse = mx + log sm)
+//   W[j,g]    = sum_m pi[j,m,g] keep[j,m,g] v[j,m]        (keep: the dropout mask)
+//   u[k,j,g]  = mx[j,g] + q[g,:e] . rho[k or g, off(i,j)] (-inf where j is outside)
+//   beta      = sm exp(u - max_j u) / sum_j (...)         = softmax_j (u + log sm)
 //   out[v]    = sum_(j,g) beta[v,j,g] W[j,g]   (sum form; K = 1: the same row for every v)
 //   out[g]    = sum_j beta[0,j,g] W[j,g]       (single form)
 // Backward, with go = dL/dout at the query:
@@ -17,9 +21,9 @@
 //   dpi  = keep (v[j,m] . dW[j,g]),             dv[j,m] += sum_g pi keep dW[j,g]
 //   dc   = pi (dpi - sum_m pi dpi + dlse),      dgl[m,g] += sum_j dc[j,m,g]
 //   dq[g] += sum_(j,m) dc[j,m,g] k[j,m],        dk[j,m] += sum_g dc[j,m,g] q[g]
-// The forward runs in parallel over (z, i); the backward over z, which owns its rows of dk
-// and dv; drho is summed per thread, then over threads in order (deterministic for a thread
-// count). Inner loops run over a contiguous axis (g, or channels) for the vectoriser.
+// The forward runs in parallel over tiles; the backward over z, which owns its rows of dk and
+// dv; drho is summed per thread, then over threads in order (deterministic for a thread
+// count).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -36,51 +40,56 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// exp(x) for x <= 0 (shifted logits), 0 below the underflow limit and for -inf: range
-// reduction x = n ln2 + r, |r| <= ln2 / 2, and a Taylor polynomial accurate to the type's
-// rounding. Branch-free, so that loops over it vectorise.
-inline float exp_shifted(float x) {
-  const float lo = -87.0f;
-  const float xc = x < lo ? lo : (x > 0.0f ? 0.0f : x);
-  const float n = std::floor(xc * 1.4426950408889634f + 0.5f);
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < lo ? 0.0f : p * scale;
-}
+// A vector of T lanes, T = 16 floats or 8 doubles (64 bytes: one AVX-512 register, two AVX2
+// ones), with its same-width integer type.
+typedef float VecF __attribute__((vector_size(64)));
+typedef double VecD __attribute__((vector_size(64)));
+typedef int32_t VecI __attribute__((vector_size(64)));
+typedef int64_t VecL __attribute__((vector_size(64)));
 
-inline double exp_shifted(double x) {
-  const double lo = -708.0;
-  const double xc = x < lo ? lo : (x > 0.0 ? 0.0 : x);
-  const double n = std::floor(xc * 1.4426950408889634 + 0.5);
-  const double r = (xc - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
-  double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  const int64_t bits = (static_cast<int64_t>(n) + 1023) << 52;
-  double scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < lo ? 0.0 : p * scale;
+template <typename S>
+struct Lanes;
+template <>
+struct Lanes<float> {
+  using V = VecF;
+  using I = VecI;
+  static constexpr int bias = 127, mantissa = 23;
+  static constexpr float low = -87.0f;          // exp below: subnormal or 0
+  static constexpr float round = 12582912.0f;   // 1.5 * 2^23: adding it rounds to integers
+  static constexpr int degree = 7;              // Taylor terms for float rounding
+};
+template <>
+struct Lanes<double> {
+  using V = VecD;
+  using I = VecL;
+  static constexpr int bias = 1023, mantissa = 52;
+  static constexpr double low = -708.0;
+  static constexpr double round = 6755399441055744.0;  // 1.5 * 2^52
+  static constexpr int degree = 13;
+};
+
+// exp(x) lane by lane for x <= 0 (shifted logits); 0 below the underflow limit and for -inf.
+// Range reduction x = n ln2 + r, |r| <= ln2 / 2, then a Taylor polynomial accurate to the
+// type's rounding, and 2^n built in the exponent bits.
+template <typename S>
+typename Lanes<S>::V exp_shifted(typename Lanes<S>::V x) {
+  using L = Lanes<S>;
+  using V = typename L::V;
+  using I = typename L::I;
+  const V low = V{} + L::low;
+  V xc = x < low ? low : x;
+  xc = xc > 0 ? V{} : xc;
+  const V n = (xc * S(1.4426950408889634) + L::round) - L::round;
+  const V r = (xc - n * S(6.93147180369123816490e-01)) - n * S(1.90821492927058770002e-10);
+  S coefficient = 1;
+  for (int i = 2; i <= L::degree; ++i) coefficient /= i;
+  V p = V{} + coefficient;
+  for (int i = L::degree; i >= 1; --i) {  // Horner: sum_i r^i / i!, i = degree .. 0
+    coefficient *= i;
+    p = p * r + coefficient;
+  }
+  const I bits = (__builtin_convertvector(n, I) + L::bias) << L::mantissa;
+  return x < low ? V{} : p * reinterpret_cast<const V&>(bits);
 }
 
 // The dropout hash of gsa_core.keep_mask.
@@ -93,175 +102,403 @@ inline uint32_t hash32(uint32_t x) {
   return x;
 }
 
-template <typename T>
+// Unaligned loads and stores of T consecutive numbers.
+template <typename V, typename S>
+V loadu(const S* src) {
+  V x;
+  std::memcpy(&x, src, sizeof x);
+  return x;
+}
+template <typename V, typename S>
+void storeu(S* dst, const V& x) {
+  std::memcpy(dst, &x, sizeof x);
+}
+
+template <typename S>
 struct Problem {
-  const T *q, *k, *v, *gl, *rho;  // gl, rho: null when absent
+  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L); rho (V, D, e)
+  const S *q, *k, *v, *gl, *rho;  // gl, rho: null when absent
   const int64_t *offsets, *nb;    // offsets: null when local (offset j)
   const bool* valid;              // null when every neighbour is inside
   int64_t Z, L, Lkv, G, M, J, d, e, V, K, D;
   bool single;
   uint32_t threshold, s0, s1;  // dropout: keep iff hash mod 2^15 >= threshold
 
-  T keep(uint64_t flat) const {
+  S keep(uint64_t flat) const {
     uint32_t x = hash32(static_cast<uint32_t>(flat) ^ s0);
     x = hash32(x ^ s1 ^ static_cast<uint32_t>(flat >> 32));
-    return (x & 0x7FFFu) >= threshold ? T(1) : T(0);
+    return (x & 0x7FFFu) >= threshold ? S(1) : S(0);
   }
   int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
   bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
+  int64_t rows() const { return single ? 1 : K; }  // rows of the outer softmax per tile
 };
 
-// One query's forward quantities, reused from query to query.
-template <typename T>
-struct Work {
-  std::vector<T> qT, pi, keep, lse, w, beta, stat;
-  explicit Work(const Problem<T>& p)
-      : qT(p.d * p.G),
-        pi(p.J * p.M * p.G),
-        keep(p.threshold ? p.J * p.M * p.G : 0),
-        lse(p.J * p.G),
-        w(p.J * p.G * p.d),
-        beta(p.K * p.J * p.G),
-        stat(2 * p.G) {}
-};
+// A tile of T queries of one batch-head and its workspace: arrays of lane vectors, one lane
+// per query.
+template <typename S>
+struct Tile {
+  using V = typename Lanes<S>::V;
+  static constexpr int64_t T = sizeof(V) / sizeof(S);
+  int64_t z = 0, n = 0;  // batch-head, lanes holding a query (the rest repeat the last)
+  int64_t i[T];          // query of each lane
+  Tensor memory;         // 64-byte aligned; the arrays below point into it
+  // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d);
+  // beta (rows, J, G); r (e)
+  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r;
+  // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
+  // dkg, dvg (J, M, d); dc, dgl (M, G)
+  V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl;
 
-// pi, keep, W and beta of query (z, i) into wk.
-template <typename T>
-void forward_query(const Problem<T>& p, int64_t z, int64_t i, Work<T>& wk) {
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
-  const T* q = p.q + (z * p.L + i) * G * d;  // (G, d)
-  const T* kz = p.k + z * p.Lkv * M * d;
-  const T* vz = p.v + z * p.Lkv * M * d;
-  const T* gl = p.gl ? p.gl + (z * p.L + i) * M * G : nullptr;  // (M, G)
-  const int64_t* nb = p.nb + i * J;
-  T* qT = wk.qT.data();  // (d, G)
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < d; ++c) qT[c * G + g] = q[g * d + c];
-  T* top = wk.stat.data();
-  T* sum = top + G;
-
-  for (int64_t j = 0; j < J; ++j) {
-    const T* kj = kz + nb[j] * M * d;
-    T* cj = wk.pi.data() + j * M * G;  // (M, G): logits, then pi
-    for (int64_t m = 0; m < M; ++m) {
-      T* row = cj + m * G;
-      for (int64_t g = 0; g < G; ++g) row[g] = gl ? gl[m * G + g] : T(0);
-      for (int64_t c = 0; c < d; ++c) {
-        const T a = kj[m * d + c];
-        const T* qc = qT + c * G;
-        for (int64_t g = 0; g < G; ++g) row[g] += a * qc[g];
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) top[g] = cj[g], sum[g] = 0;
-    for (int64_t m = 1; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) top[g] = std::max(top[g], cj[m * G + g]);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const T x = exp_shifted(cj[m * G + g] - top[g]);
-        cj[m * G + g] = x;
-        sum[g] += x;
-      }
-    for (int64_t g = 0; g < G; ++g) wk.lse[j * G + g] = top[g] + std::log(sum[g]);
-    for (int64_t g = 0; g < G; ++g) sum[g] = T(1) / sum[g];
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) cj[m * G + g] *= sum[g];
-
-    // W[j, g] = sum_m pi keep v[j, m]
-    const T* vj = vz + nb[j] * M * d;
-    T* wj = wk.w.data() + j * G * d;  // (G, d)
-    std::fill(wj, wj + G * d, T(0));
-    T* kp = p.threshold ? wk.keep.data() + j * M * G : nullptr;
-    const uint64_t flat = static_cast<uint64_t>(((z * p.L + i) * J + j) * M * G);
-    for (int64_t m = 0; m < M; ++m) {
-      const T* vm = vj + m * d;
-      for (int64_t g = 0; g < G; ++g) {
-        T a = cj[m * G + g];
-        if (kp) a *= (kp[m * G + g] = p.keep(flat + m * G + g));
-        T* wg = wj + g * d;
-        for (int64_t c = 0; c < d; ++c) wg[c] += a * vm[c];
-      }
+  Tile(const Problem<S>& p, bool backward) {
+    const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward;
+    const int64_t sizes[] = {G * d, J * M * d, J * M * d, M * G, J * M * G,
+                             p.threshold ? J * M * G : 0, J * G, J * G, J * G * d,
+                             p.rows() * J * G, std::max<int64_t>(p.e, 1),
+                             b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
+                             b * G * d, b * J * M * d, b * J * M * d, b * M * G, b * M * G};
+    V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r,
+                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += size;
+    memory = at::empty({total * T}, at::TensorOptions().dtype(c10::CppTypeToScalarType<S>::value));
+    V* base = reinterpret_cast<V*>(memory.data_ptr<S>());
+    for (size_t a = 0; a < sizeof sizes / sizeof sizes[0]; ++a) {
+      *arrays[a] = base;
+      base += sizes[a];
     }
   }
 
-  // outer logits t (K, J, G) = lse + spatial term, -inf outside; softmax over j
-  const T inf = std::numeric_limits<T>::infinity();
-  for (int64_t k = 0; k < p.K; ++k) {
-    T* tk = wk.beta.data() + k * J * G;
+  // How the lanes' neighbours j lie in the key axis: at consecutive points (a local tile
+  // inside the image: vector loads), at one point (global: broadcasts), or anywhere.
+  enum Layout : uint8_t { kConsecutive, kSame, kScattered };
+  std::vector<Layout> layout;  // (J)
+  std::vector<int64_t> first;  // (J): the first lane's neighbour
+
+  // Lane t of src[index[t]].
+  static V lanes(const S* src, const int64_t* index) {
+    V x;
+    for (int64_t t = 0; t < T; ++t) x[t] = src[index[t]];
+    return x;
+  }
+
+  // Points [i0, i0 + T) of a (..., L)-laid row, lanes past n repeating the last.
+  V row_at(const S* row) const { return n == T ? loadu<V>(row + i[0]) : lanes(row, i); }
+
+  // Gathers the queries [i0, i0 + T) of batch-head z (clipped to L) and their neighbours.
+  void load(const Problem<S>& p, int64_t z_, int64_t i0) {
+    const int64_t G = p.G, M = p.M, J = p.J, d = p.d, Lkv = p.Lkv;
+    z = z_;
+    n = std::min<int64_t>(T, p.L - i0);
+    for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
+    for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + (z * G * d + gc) * p.L);
+    if (p.gl)
+      for (int64_t mg = 0; mg < M * G; ++mg) gl[mg] = row_at(p.gl + (z * M * G + mg) * p.L);
+    layout.resize(J);
+    first.resize(J);
+    int64_t index[T];
     for (int64_t j = 0; j < J; ++j) {
-      T* row = tk + j * G;
-      if (!p.inside(i, j)) {
-        for (int64_t g = 0; g < G; ++g) row[g] = -inf;
-        continue;
+      bool consecutive = n == T, same = true;
+      for (int64_t t = 0; t < T; ++t) {
+        index[t] = p.nb[i[t] * J + j];
+        consecutive &= index[t] == index[0] + t;
+        same &= index[t] == index[0];
       }
-      const T* l = wk.lse.data() + j * G;
-      for (int64_t g = 0; g < G; ++g) row[g] = l[g];
-      if (!e) continue;
-      const int64_t off = p.offset(i, j);
-      if (p.single) {  // v = g: each g its own table row
-        for (int64_t g = 0; g < G; ++g) {
-          const T* r = p.rho + (g * p.D + off) * e;
-          T s = 0;
-          for (int64_t c = 0; c < e; ++c) s += q[g * d + c] * r[c];
-          row[g] += s;
-        }
-      } else {
-        const T* r = p.rho + (k * p.D + off) * e;
-        for (int64_t c = 0; c < e; ++c) {
-          const T a = r[c];
-          const T* qc = qT + c * G;
-          for (int64_t g = 0; g < G; ++g) row[g] += a * qc[g];
+      layout[j] = consecutive ? kConsecutive : same ? kSame : kScattered;
+      first[j] = index[0];
+      for (int64_t mc = 0; mc < M * d; ++mc) {
+        const S* k_row = p.k + (z * M * d + mc) * Lkv;
+        const S* v_row = p.v + (z * M * d + mc) * Lkv;
+        V& kd = kg[j * M * d + mc];
+        V& vd = vg[j * M * d + mc];
+        switch (layout[j]) {
+          case kConsecutive:
+            kd = loadu<V>(k_row + index[0]), vd = loadu<V>(v_row + index[0]);
+            break;
+          case kSame:
+            kd = V{} + k_row[index[0]], vd = V{} + v_row[index[0]];
+            break;
+          default:
+            kd = lanes(k_row, index), vd = lanes(v_row, index);
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) top[g] = -inf, sum[g] = 0;
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) top[g] = std::max(top[g], tk[j * G + g]);
+  }
+
+  // Adds lane t of x to dst[index of lane t's neighbour j], t < n (the scatter of load).
+  void scatter_add(const Problem<S>& p, int64_t j, S* row, const V& x) const {
+    switch (layout[j]) {
+      case kConsecutive:
+        storeu(row + first[j], loadu<V>(row + first[j]) + x);
+        break;
+      case kSame: {
+        S sum = 0;
+        for (int64_t t = 0; t < n; ++t) sum += x[t];
+        row[first[j]] += sum;
+        break;
+      }
+      default:
+        for (int64_t t = 0; t < n; ++t) row[p.nb[i[t] * p.J + j]] += x[t];
+    }
+  }
+
+  // r (e) <- rho[row, off(i, j)] for every lane (one offset for all lanes when local).
+  void gather_rho(const Problem<S>& p, int64_t row, int64_t j) {
+    if (!p.offsets) {
+      for (int64_t c = 0; c < p.e; ++c) r[c] = V{} + p.rho[(row * p.D + j) * p.e + c];
+      return;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const S* src = p.rho + (row * p.D + p.offsets[i[t] * p.J + j]) * p.e;
+      for (int64_t c = 0; c < p.e; ++c) r[c][t] = src[c];
+    }
+  }
+
+  // Stores x at the tile's points of a (..., L)-laid row, t < n.
+  void store_row(S* row, const V& x) const {
+    if (n == T) {
+      storeu(row + i[0], x);
+    } else {
+      for (int64_t t = 0; t < n; ++t) row[i[t]] = x[t];
+    }
+  }
+};
+
+// pi, keep, mx, sm, W and beta of a loaded tile.
+template <typename S>
+void forward_tile(const Problem<S>& p, Tile<S>& tl) {
+  using V = typename Tile<S>::V;
+  constexpr int64_t T = Tile<S>::T;
+  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
+  for (int64_t j = 0; j < J; ++j) {
+    V* pj = tl.pi + j * M * G;  // (M, G): logits, then pi
+    const V* kj = tl.kg + j * M * d;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        V acc = p.gl ? tl.gl[m * G + g] : V{};
+        for (int64_t c = 0; c < d; ++c) acc += kj[m * d + c] * tl.q[g * d + c];
+        pj[m * G + g] = acc;
+      }
+    for (int64_t g = 0; g < G; ++g) {  // softmax over m
+      V top = pj[g];
+      for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
+      V sum{};
+      for (int64_t m = 0; m < M; ++m) sum += pj[m * G + g] = exp_shifted<S>(pj[m * G + g] - top);
+      tl.mx[j * G + g] = top;
+      tl.sm[j * G + g] = sum;
+      const V inv = 1 / sum;
+      for (int64_t m = 0; m < M; ++m) pj[m * G + g] *= inv;
+    }
+    V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
+    if (kp) {
+      for (int64_t t = 0; t < T; ++t) {
+        const uint64_t flat = static_cast<uint64_t>(((tl.z * p.L + tl.i[t]) * J + j) * M * G);
+        for (int64_t mg = 0; mg < M * G; ++mg) kp[mg][t] = p.keep(flat + mg);
+      }
+    }
+    const V* vj = tl.vg + j * M * d;
+    for (int64_t g = 0; g < G; ++g)  // W[j, g] = sum_m pi keep v[j, m]
+      for (int64_t c = 0; c < d; ++c) {
+        V acc{};
+        for (int64_t m = 0; m < M; ++m)
+          acc += (kp ? pj[m * G + g] * kp[m * G + g] : pj[m * G + g]) * vj[m * d + c];
+        tl.w[(j * G + g) * d + c] = acc;
+      }
+  }
+  // outer logits u (rows, J, G), then beta = softmax_j(u + log sm)
+  const S inf = std::numeric_limits<S>::infinity();
+  for (int64_t k = 0; k < p.rows(); ++k) {
+    V* bk = tl.beta + k * J * G;
+    for (int64_t j = 0; j < J; ++j) {
+      V outside{};
+      for (int64_t t = 0; t < T; ++t) outside[t] = p.inside(tl.i[t], j) ? S(0) : -inf;
+      if (e && !p.single) tl.gather_rho(p, k, j);
+      for (int64_t g = 0; g < G; ++g) {
+        V acc = tl.mx[j * G + g] + outside;
+        if (e) {
+          if (p.single) tl.gather_rho(p, g, j);  // v = g: its own table row
+          for (int64_t c = 0; c < e; ++c) acc += tl.q[g * d + c] * tl.r[c];
+        }
+        bk[j * G + g] = acc;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      V top = V{} - inf;
+      for (int64_t j = 0; j < J; ++j) top = bk[j * G + g] > top ? bk[j * G + g] : top;
+      V sum{};
+      for (int64_t j = 0; j < J; ++j)
+        sum += bk[j * G + g] = tl.sm[j * G + g] * exp_shifted<S>(bk[j * G + g] - top);
+      const V inv = 1 / sum;
+      for (int64_t j = 0; j < J; ++j) bk[j * G + g] *= inv;
+    }
+  }
+}
+
+// out (Z, d, V, L) at the tile's queries.
+template <typename S>
+void output_tile(const Problem<S>& p, const Tile<S>& tl, S* out) {
+  using V = typename Tile<S>::V;
+  const int64_t G = p.G, J = p.J, d = p.d;
+  const int64_t rows = p.single ? G : p.K;  // distinct output rows
+  for (int64_t k = 0; k < rows; ++k)
+    for (int64_t c = 0; c < d; ++c) {
+      V acc{};
+      for (int64_t j = 0; j < J; ++j)
+        if (p.single) {  // v = g = k
+          acc += tl.beta[j * G + k] * tl.w[(j * G + k) * d + c];
+        } else {
+          for (int64_t g = 0; g < G; ++g)
+            acc += tl.beta[(k * J + j) * G + g] * tl.w[(j * G + g) * d + c];
+        }
+      if (rows == p.V) {
+        tl.store_row(out + ((tl.z * d + c) * p.V + k) * p.L, acc);
+      } else {  // no spatial term: every v has the same weights
+        for (int64_t v = 0; v < p.V; ++v) tl.store_row(out + ((tl.z * d + c) * p.V + v) * p.L, acc);
+      }
+    }
+}
+
+template <typename S>
+struct Grads {
+  S *dq, *dk, *dv, *dgl, *drho;  // dgl, drho: null when absent; drho: this thread's sum
+};
+
+// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, G, d, L),
+// dk and dv (Z, M, d, Lkv) and dgl (Z, M, G, L) are laid out as their inputs; drho_local
+// (V, J, e) collects a local layer's d rho lane by lane.
+template <typename S>
+void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
+                   typename Tile<S>::V* drho_local) {
+  using V = typename Tile<S>::V;
+  constexpr int64_t T = Tile<S>::T;
+  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
+  const int64_t rows = p.rows();
+  // go at the tile's queries, (V, d); 0 on lanes without a query of their own
+  V valid_lane{};
+  for (int64_t t = 0; t < tl.n; ++t) valid_lane[t] = 1;
+  for (int64_t v = 0; v < p.V; ++v)
+    for (int64_t c = 0; c < d; ++c)
+      tl.go[v * d + c] = tl.row_at(go + ((tl.z * d + c) * p.V + v) * p.L) * valid_lane;
+  if (!p.single && rows == 1) {  // every v had the same weights: their gradients add up
+    for (int64_t v = 1; v < p.V; ++v)
+      for (int64_t c = 0; c < d; ++c) tl.go[c] += tl.go[v * d + c];
+  }
+  // dbeta (into dt) and dW
+  std::fill(tl.dw, tl.dw + J * G * d, V{});
+  for (int64_t k = 0; k < rows; ++k)
     for (int64_t j = 0; j < J; ++j)
       for (int64_t g = 0; g < G; ++g) {
-        const T x = exp_shifted(tk[j * G + g] - top[g]);
-        tk[j * G + g] = x;
-        sum[g] += x;
+        const V* gk = tl.go + (p.single ? g : k) * d;
+        const V b = tl.beta[(k * J + j) * G + g];
+        const V* wg = tl.w + (j * G + g) * d;
+        V* dwg = tl.dw + (j * G + g) * d;
+        V acc{};
+        for (int64_t c = 0; c < d; ++c) {
+          acc += gk[c] * wg[c];
+          dwg[c] += b * gk[c];
+        }
+        tl.dt[(k * J + j) * G + g] = acc;
       }
-    for (int64_t g = 0; g < G; ++g) sum[g] = T(1) / sum[g];
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) tk[j * G + g] *= sum[g];
+  // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
+  std::fill(tl.dlse, tl.dlse + J * G, V{});
+  for (int64_t k = 0; k < rows; ++k)
+    for (int64_t g = 0; g < G; ++g) {
+      const V* bk = tl.beta + k * J * G;
+      V* dtk = tl.dt + k * J * G;
+      V acc{};
+      for (int64_t j = 0; j < J; ++j) acc += bk[j * G + g] * dtk[j * G + g];
+      for (int64_t j = 0; j < J; ++j) {
+        dtk[j * G + g] = bk[j * G + g] * (dtk[j * G + g] - acc);
+        tl.dlse[j * G + g] += dtk[j * G + g];
+      }
+    }
+  // the spatial term
+  std::fill(tl.dq, tl.dq + G * d, V{});
+  if (e) {
+    for (int64_t k = 0; k < rows; ++k)
+      for (int64_t j = 0; j < J; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = p.single ? g : k;
+          if (g == 0 || p.single) tl.gather_rho(p, row, j);
+          const V x = tl.dt[(k * J + j) * G + g];
+          for (int64_t c = 0; c < e; ++c) {
+            tl.dq[g * d + c] += x * tl.r[c];
+            const V dr = x * tl.q[g * d + c];  // 0 on lanes past n: go is 0 there
+            if (!p.offsets) {  // local: one table row for every lane, summed lane by lane
+              drho_local[(row * J + j) * e + c] += dr;
+            } else {
+              for (int64_t t = 0; t < tl.n; ++t)
+                gr.drho[(row * p.D + p.offsets[tl.i[t] * J + j]) * e + c] += dr[t];
+            }
+          }
+        }
   }
+  // the inner softmax, the keys and the values
+  if (gr.dgl) std::fill(tl.dgl, tl.dgl + M * G, V{});
+  for (int64_t j = 0; j < J; ++j) {
+    const V* pj = tl.pi + j * M * G;
+    const V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
+    const V* dwj = tl.dw + j * G * d;
+    for (int64_t m = 0; m < M; ++m) {
+      const V* vm = tl.vg + (j * M + m) * d;
+      for (int64_t g = 0; g < G; ++g) {  // dpi, into dc
+        V acc{};
+        for (int64_t c = 0; c < d; ++c) acc += vm[c] * dwj[g * d + c];
+        tl.dc[m * G + g] = kp ? acc * kp[m * G + g] : acc;
+      }
+      for (int64_t c = 0; c < d; ++c) {  // dv
+        V acc{};
+        for (int64_t g = 0; g < G; ++g)
+          acc += (kp ? pj[m * G + g] * kp[m * G + g] : pj[m * G + g]) * dwj[g * d + c];
+        tl.dvg[(j * M + m) * d + c] = acc;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // dc = pi (dpi - sum_m pi dpi + dlse)
+      V acc = -tl.dlse[j * G + g];
+      for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * tl.dc[m * G + g];
+      for (int64_t m = 0; m < M; ++m) tl.dc[m * G + g] = pj[m * G + g] * (tl.dc[m * G + g] - acc);
+    }
+    if (gr.dgl)
+      for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += tl.dc[mg];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < d; ++c) {
+        const V kc = tl.kg[(j * M + m) * d + c];
+        V acc{};
+        for (int64_t g = 0; g < G; ++g) {
+          tl.dq[g * d + c] += tl.dc[m * G + g] * kc;
+          acc += tl.dc[m * G + g] * tl.q[g * d + c];
+        }
+        tl.dkg[(j * M + m) * d + c] = acc;
+      }
+  }
+  // scatter to the tile's queries and their neighbours
+  for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
+  if (gr.dgl)
+    for (int64_t mg = 0; mg < M * G; ++mg)
+      tl.store_row(gr.dgl + (tl.z * M * G + mg) * p.L, tl.dgl[mg]);
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t mc = 0; mc < M * d; ++mc) {  // outside neighbours add 0 (beta = 0)
+      tl.scatter_add(p, j, gr.dk + (tl.z * M * d + mc) * p.Lkv, tl.dkg[j * M * d + mc]);
+      tl.scatter_add(p, j, gr.dv + (tl.z * M * d + mc) * p.Lkv, tl.dvg[j * M * d + mc]);
+    }
 }
 
-// out (V, d) of the query whose forward quantities are in wk.
-template <typename T>
-void output_query(const Problem<T>& p, const Work<T>& wk, T* out) {
-  const int64_t G = p.G, J = p.J, d = p.d;
-  std::fill(out, out + p.V * d, T(0));
-  for (int64_t k = 0; k < (p.single ? G : p.K); ++k) {
-    T* o = out + k * d;
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = p.single ? k : 0; g < (p.single ? k + 1 : G); ++g) {
-        const T b = wk.beta[(p.single ? j * G : (k * J + j) * G) + g];
-        const T* wg = wk.w.data() + (j * G + g) * d;
-        for (int64_t c = 0; c < d; ++c) o[c] += b * wg[c];
-      }
-  }
-  if (!p.single && p.K == 1)  // no spatial term: every v has the same weights
-    for (int64_t v = 1; v < p.V; ++v) std::copy(out, out + d, out + v * d);
-}
-
-template <typename T>
-Problem<T> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
+template <typename S>
+Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
                    const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
                    const OptTensor& valid, bool single, int64_t n, int64_t threshold,
                    int64_t seed) {
-  Problem<T> p{};
-  p.q = q.data_ptr<T>();
-  p.k = k.data_ptr<T>();
-  p.v = v.data_ptr<T>();
-  p.gl = gl ? gl->data_ptr<T>() : nullptr;
-  p.rho = rho ? rho->data_ptr<T>() : nullptr;
+  Problem<S> p{};
+  p.q = q.data_ptr<S>();
+  p.k = k.data_ptr<S>();
+  p.v = v.data_ptr<S>();
+  p.gl = gl ? gl->data_ptr<S>() : nullptr;
+  p.rho = rho ? rho->data_ptr<S>() : nullptr;
   p.offsets = offsets ? offsets->data_ptr<int64_t>() : nullptr;
   p.nb = nb.data_ptr<int64_t>();
   p.valid = valid ? valid->data_ptr<bool>() : nullptr;
-  p.Z = q.size(0), p.L = q.size(1), p.G = q.size(2), p.d = q.size(3);
-  p.Lkv = k.size(1), p.M = k.size(2), p.J = nb.size(1);
+  p.Z = q.size(0), p.G = q.size(1), p.d = q.size(2), p.L = q.size(3);
+  p.M = k.size(1), p.Lkv = k.size(3), p.J = nb.size(1);
   p.e = rho ? rho->size(2) : 0;
   p.D = rho ? rho->size(1) : 0;
   p.V = n;
@@ -281,252 +518,95 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g
                 "q, k, v must be contiguous 4-d CPU tensors");
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v must share a dtype");
   }
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
-              "k and v must be (Z, Lkv, M, d) with q's Z and d");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "k and v must be (Z, M, d, Lkv) with q's Z and d");
   TORCH_CHECK(nb.scalar_type() == at::kLong && nb.is_contiguous() && nb.dim() == 2 &&
-                  nb.size(0) == q.size(1),
+                  nb.size(0) == q.size(3),
               "neighbour must be contiguous int64 (L, J)");
-  if (gl) TORCH_CHECK(gl->is_contiguous() && gl->scalar_type() == q.scalar_type() &&
-                          gl->sizes() == at::IntArrayRef({q.size(0), q.size(1), k.size(2), q.size(2)}),
-                      "group logits must be contiguous (Z, L, M, G)");
+  if (gl)
+    TORCH_CHECK(gl->is_contiguous() && gl->scalar_type() == q.scalar_type() &&
+                    gl->sizes() == at::IntArrayRef({q.size(0), k.size(1), q.size(1), q.size(3)}),
+                "group logits must be contiguous (Z, M, G, L)");
   if (rho) {
     TORCH_CHECK(rho->is_contiguous() && rho->scalar_type() == q.scalar_type() &&
-                    rho->dim() == 3 && rho->size(0) == n && rho->size(2) <= q.size(3),
+                    rho->dim() == 3 && rho->size(0) == n && rho->size(2) <= q.size(2),
                 "rho must be contiguous (V, D, e) with e <= d");
     TORCH_CHECK(offsets || rho->size(1) >= nb.size(1), "local rho needs J rows");
   }
-  if (offsets) TORCH_CHECK(offsets->scalar_type() == at::kLong && offsets->is_contiguous() &&
-                               offsets->sizes() == nb.sizes(),
-                           "offsets must be contiguous int64 (L, J)");
-  if (valid) TORCH_CHECK(valid->scalar_type() == at::kBool && valid->is_contiguous() &&
-                             valid->sizes() == nb.sizes(),
-                         "valid must be contiguous bool (L, J)");
-  TORCH_CHECK(!single || q.size(2) == n, "the single form needs G = V");
+  if (offsets)
+    TORCH_CHECK(offsets->scalar_type() == at::kLong && offsets->is_contiguous() &&
+                    offsets->sizes() == nb.sizes(),
+                "offsets must be contiguous int64 (L, J)");
+  if (valid)
+    TORCH_CHECK(valid->scalar_type() == at::kBool && valid->is_contiguous() &&
+                    valid->sizes() == nb.sizes(),
+                "valid must be contiguous bool (L, J)");
+  TORCH_CHECK(!single || q.size(1) == n, "the single form needs G = V");
 }
 
-// Queries per task: enough work per task that the threads' start-up does not dominate.
-int64_t grain(int64_t work_per_query) {
-  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, work_per_query));
-}
-
+// out (Z, d, V, L) from q (Z, G, d, L), k, v (Z, M, d, Lkv), gl (Z, M, G, L) or None,
+// rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L, J) or None.
 Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
                const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
                const OptTensor& valid, bool single, int64_t n, int64_t threshold,
                int64_t seed) {
   check(q, k, v, gl, rho, offsets, nb, valid, single, n);
-  Tensor out = at::empty({q.size(0), q.size(1), n, q.size(3)}, q.options());
+  Tensor out = at::empty({q.size(0), q.size(2), n, q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_forward", [&] {
-    const auto p = problem<scalar_t>(q, k, v, gl, rho, offsets, nb, valid, single, n,
-                                     threshold, seed);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t work = p.J * p.G * (2 * p.M * p.d + p.K * (p.e + p.d));
-    at::parallel_for(0, p.Z * p.L, grain(work), [&](int64_t begin, int64_t end) {
-      Work<scalar_t> wk(p);
-      for (int64_t zi = begin; zi < end; ++zi) {
-        forward_query(p, zi / p.L, zi % p.L, wk);
-        output_query(p, wk, o + zi * p.V * p.d);
+    using S = scalar_t;
+    constexpr int64_t T = Tile<S>::T;
+    const auto p = problem<S>(q, k, v, gl, rho, offsets, nb, valid, single, n, threshold, seed);
+    const int64_t tiles = (p.L + T - 1) / T;
+    S* o = out.data_ptr<S>();
+    at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
+      Tile<S> tl(p, false);
+      for (int64_t zt = begin; zt < end; ++zt) {
+        tl.load(p, zt / tiles, (zt % tiles) * T);
+        forward_tile(p, tl);
+        output_tile(p, tl, o);
       }
     });
   });
   return out;
 }
 
-template <typename T>
-struct Grads {
-  T *dq, *dk, *dv, *dgl, *drho;  // dgl, drho: null when absent; drho: this thread's sum
-};
-
-// Gradients of query (z, i) given go (V, d); wk holds its forward quantities.
-template <typename T>
-void backward_query(const Problem<T>& p, int64_t z, int64_t i, const T* go, Work<T>& wk,
-                    std::vector<T>& buf, const Grads<T>& gr) {
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e, K = p.K;
-  const T* q = p.q + (z * p.L + i) * G * d;
-  const T* qT = wk.qT.data();
-  const int64_t* nb = p.nb + i * J;
-  // buf: dt (K, J, G) | dW (J, G, d) | dqT (d, G) | go1 (d) | dpi (M, G) | dlse (J, G) | acc (G)
-  buf.resize(K * J * G + J * G * d + d * G + d + M * G + J * G + G);
-  T* dt = buf.data();
-  T* dw = dt + K * J * G;
-  T* dqT = dw + J * G * d;
-  T* go1 = dqT + d * G;
-  T* dpi = go1 + d;
-  T* dlse = dpi + M * G;
-  T* acc = dlse + J * G;
-  std::fill(dw, dw + J * G * d, T(0));
-  std::fill(dqT, dqT + d * G, T(0));
-
-  // dbeta and dW
-  if (p.single) {
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const T* wg = wk.w.data() + (j * G + g) * d;
-        const T* gg = go + g * d;
-        const T b = wk.beta[j * G + g];
-        T s = 0;
-        for (int64_t c = 0; c < d; ++c) s += gg[c] * wg[c];
-        dt[j * G + g] = s;
-        T* dwg = dw + (j * G + g) * d;
-        for (int64_t c = 0; c < d; ++c) dwg[c] = b * gg[c];
-      }
-  } else {
-    if (K == 1) {  // every v had the same weights: their gradients add up
-      std::fill(go1, go1 + d, T(0));
-      for (int64_t v = 0; v < p.V; ++v)
-        for (int64_t c = 0; c < d; ++c) go1[c] += go[v * d + c];
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const T* gk = K == 1 ? go1 : go + k * d;
-      for (int64_t j = 0; j < J; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const T* wg = wk.w.data() + (j * G + g) * d;
-          const T b = wk.beta[(k * J + j) * G + g];
-          T s = 0;
-          for (int64_t c = 0; c < d; ++c) s += gk[c] * wg[c];
-          dt[(k * J + j) * G + g] = s;
-          T* dwg = dw + (j * G + g) * d;
-          for (int64_t c = 0; c < d; ++c) dwg[c] += b * gk[c];
-        }
-    }
-  }
-  // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
-  std::fill(dlse, dlse + J * G, T(0));
-  for (int64_t k = 0; k < K; ++k) {
-    const T* bk = wk.beta.data() + k * J * G;
-    T* tk = dt + k * J * G;
-    std::fill(acc, acc + G, T(0));
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) acc[g] += bk[j * G + g] * tk[j * G + g];
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        tk[j * G + g] = bk[j * G + g] * (tk[j * G + g] - acc[g]);
-        dlse[j * G + g] += tk[j * G + g];
-      }
-  }
-  // spatial term
-  if (e) {
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < J; ++j) {
-        if (!p.inside(i, j)) continue;
-        const int64_t off = p.offset(i, j);
-        const T* tr = dt + (k * J + j) * G;
-        if (p.single) {
-          for (int64_t g = 0; g < G; ++g) {
-            const T* r = p.rho + (g * p.D + off) * e;
-            T* dr = gr.drho + (g * p.D + off) * e;
-            const T a = tr[g];
-            for (int64_t c = 0; c < e; ++c) {
-              dqT[c * G + g] += a * r[c];
-              dr[c] += a * q[g * d + c];
-            }
-          }
-        } else {
-          const T* r = p.rho + (k * p.D + off) * e;
-          T* dr = gr.drho + (k * p.D + off) * e;
-          for (int64_t c = 0; c < e; ++c) {
-            const T a = r[c];
-            const T* qc = qT + c * G;
-            T* dqc = dqT + c * G;
-            T s = 0;
-            for (int64_t g = 0; g < G; ++g) {
-              dqc[g] += a * tr[g];
-              s += tr[g] * qc[g];
-            }
-            dr[c] += s;
-          }
-        }
-      }
-  }
-  // inner softmax and the gathered keys and values
-  const T* kz = p.k + z * p.Lkv * M * d;
-  const T* vz = p.v + z * p.Lkv * M * d;
-  T* dkz = gr.dk + z * p.Lkv * M * d;
-  T* dvz = gr.dv + z * p.Lkv * M * d;
-  T* dgl = gr.dgl ? gr.dgl + (z * p.L + i) * M * G : nullptr;
-  if (dgl) std::fill(dgl, dgl + M * G, T(0));
-  for (int64_t j = 0; j < J; ++j) {
-    if (!p.inside(i, j)) continue;  // beta = 0: no gradient reaches it
-    const T* pj = wk.pi.data() + j * M * G;
-    const T* kp = p.threshold ? wk.keep.data() + j * M * G : nullptr;
-    const T* dwj = dw + j * G * d;
-    const T* kj = kz + nb[j] * M * d;
-    const T* vj = vz + nb[j] * M * d;
-    T* dkj = dkz + nb[j] * M * d;
-    T* dvj = dvz + nb[j] * M * d;
-    for (int64_t m = 0; m < M; ++m) {
-      const T* vm = vj + m * d;
-      T* dvm = dvj + m * d;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* dwg = dwj + g * d;
-        T s = 0;
-        for (int64_t c = 0; c < d; ++c) s += vm[c] * dwg[c];
-        const T kg = kp ? kp[m * G + g] : T(1);
-        dpi[m * G + g] = s * kg;
-        const T a = pj[m * G + g] * kg;
-        for (int64_t c = 0; c < d; ++c) dvm[c] += a * dwg[c];
-      }
-    }
-    std::fill(acc, acc + G, T(0));
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) acc[g] += pj[m * G + g] * dpi[m * G + g];
-    for (int64_t g = 0; g < G; ++g) acc[g] -= dlse[j * G + g];
-    for (int64_t m = 0; m < M; ++m) {  // dpi becomes dc
-      T* dc = dpi + m * G;
-      for (int64_t g = 0; g < G; ++g) dc[g] = pj[m * G + g] * (dc[g] - acc[g]);
-      if (dgl)
-        for (int64_t g = 0; g < G; ++g) dgl[m * G + g] += dc[g];
-      const T* km = kj + m * d;
-      T* dkm = dkj + m * d;
-      for (int64_t c = 0; c < d; ++c) {
-        const T a = km[c];
-        const T* qc = qT + c * G;
-        T* dqc = dqT + c * G;
-        T s = 0;
-        for (int64_t g = 0; g < G; ++g) {
-          dqc[g] += dc[g] * a;
-          s += dc[g] * qc[g];
-        }
-        dkm[c] += s;
-      }
-    }
-  }
-  T* dq = gr.dq + (z * p.L + i) * G * d;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < d; ++c) dq[g * d + c] = dqT[c * G + g];
-}
-
+// dq, dk, dv, dgl, drho (each laid out as its input; undefined when absent) from grad_out
+// (Z, d, V, L) and the forward's inputs.
 std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
                              const Tensor& v, const OptTensor& gl, const OptTensor& rho,
                              const OptTensor& offsets, const Tensor& nb, const OptTensor& valid,
                              bool single, int64_t n, int64_t threshold, int64_t seed) {
   check(q, k, v, gl, rho, offsets, nb, valid, single, n);
-  TORCH_CHECK(grad_out.is_contiguous() && grad_out.sizes() ==
-                  at::IntArrayRef({q.size(0), q.size(1), n, q.size(3)}),
-              "grad_out must be contiguous (Z, L, V, d)");
+  TORCH_CHECK(grad_out.is_contiguous() &&
+                  grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(2), n, q.size(3)}),
+              "grad_out must be contiguous (Z, d, V, L)");
   Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   Tensor dgl = gl ? at::empty_like(*gl) : Tensor();
   const int64_t threads = at::get_num_threads();
-  Tensor drho_parts = rho ? at::zeros({threads, rho->size(0), rho->size(1), rho->size(2)},
-                                      q.options())
-                          : Tensor();
+  Tensor drho_parts =
+      rho ? at::zeros({threads, rho->size(0), rho->size(1), rho->size(2)}, q.options())
+          : Tensor();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_backward", [&] {
-    const auto p = problem<scalar_t>(q, k, v, gl, rho, offsets, nb, valid, single, n,
-                                     threshold, seed);
-    const scalar_t* go = grad_out.data_ptr<scalar_t>();
+    using S = scalar_t;
+    using V = typename Tile<S>::V;
+    constexpr int64_t T = Tile<S>::T;
+    const auto p = problem<S>(q, k, v, gl, rho, offsets, nb, valid, single, n, threshold, seed);
+    const S* go = grad_out.data_ptr<S>();
     const int64_t rho_size = rho ? rho->numel() : 0;
     at::parallel_for(0, p.Z, 1, [&](int64_t begin, int64_t end) {
-      Work<scalar_t> wk(p);
-      std::vector<scalar_t> buf;
-      Grads<scalar_t> gr{dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                         dv.data_ptr<scalar_t>(), gl ? dgl.data_ptr<scalar_t>() : nullptr,
-                         rho ? drho_parts.data_ptr<scalar_t>() +
-                                   at::get_thread_num() * rho_size
-                             : nullptr};
+      Tile<S> tl(p, true);
+      S* drho = rho ? drho_parts.data_ptr<S>() + at::get_thread_num() * rho_size : nullptr;
+      const Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>(), dv.data_ptr<S>(),
+                        gl ? dgl.data_ptr<S>() : nullptr, drho};
+      std::vector<V> drho_local(rho && !offsets ? rho_size : 0);  // zeros
       for (int64_t z = begin; z < end; ++z)
-        for (int64_t i = 0; i < p.L; ++i) {
-          forward_query(p, z, i, wk);
-          backward_query(p, z, i, go + (z * p.L + i) * p.V * p.d, wk, buf, gr);
+        for (int64_t i0 = 0; i0 < p.L; i0 += T) {
+          tl.load(p, z, i0);
+          forward_tile(p, tl);
+          backward_tile(p, tl, go, gr, drho_local.data());
         }
+      for (size_t a = 0; a < drho_local.size(); ++a)
+        for (int64_t t = 0; t < T; ++t) drho[a] += drho_local[a][t];
     });
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();

@@ -132,8 +132,8 @@ def _build() -> ModuleType | None:
         warnings.warn(
             f"symattn: the C++ attention kernel could not be built ({type(error).__name__}: "
             f"{reason}); the attention runs its plain PyTorch backend, which gives the same "
-            "values more slowly. Install a C++ compiler and `pip install ninja` to build it, or set "
-            f"{ENV}=0 to silence this.",
+            "values more slowly. Install a C++ compiler and `pip install ninja` to build it, "
+            f"or set {ENV}=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -143,16 +143,16 @@ def _build() -> ModuleType | None:
 
 
 class FusedAttention(torch.autograd.Function):
-    """The kernel's forward and backward as an autograd function (arguments: see
-    :func:`fused_attention`)."""
+    """The kernel's forward and backward as an autograd function on the kernel's layouts, the
+    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L), out
+    (Z, d, V, L); see :func:`fused_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
-        module = load()
         args = (offsets, neighbour, valid, single, n, threshold, seed)
         ctx.save_for_backward(q, k, v, gl, rho)
         ctx.args = args
-        return module.forward(q, k, v, gl, rho, *args)
+        return load().forward(q, k, v, gl, rho, *args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -164,15 +164,20 @@ class FusedAttention(torch.autograd.Function):
 
 def fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed):
     """The factorised attention (:mod:`symattn_cli.nn.gsa_core`) by the fused CPU kernel,
-    without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``gl`` ``(Z, L, M, G)``: the group
-    logits, or None."""
+    without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)`` (a view of a ``(Z, d, V, L)``
+    tensor, which the layer's W_out reads without a copy). ``gl`` ``(Z, L, M, G)``: the group
+    logits, or None. The kernel takes the point axis last, so that a tile of consecutive
+    queries, and their neighbours at one offset, are consecutive numbers."""
+
+    def points_last(t):  # (Z, P, A, B) -> (Z, A, B, P)
+        return None if t is None else t.permute(0, 2, 3, 1).contiguous()
 
     def flat(t):
         return None if t is None else t.contiguous()
 
-    q, k, v, gl, rho = (flat(t) for t in (q, k, v, gl, rho))
-    threshold = round(drop * gsa_core.DROP_STEPS)
-    return FusedAttention.apply(
-        q, k, v, gl, rho, flat(offsets), flat(neighbour), flat(valid), form == "single", n,
-        threshold, seed,
+    out = FusedAttention.apply(
+        points_last(q), points_last(k), points_last(v), points_last(gl), flat(rho),
+        flat(offsets), flat(neighbour), flat(valid), form == "single", n,
+        round(drop * gsa_core.DROP_STEPS), seed,
     )  # fmt: skip
+    return out.permute(0, 3, 2, 1)  # (Z, L, V, d)

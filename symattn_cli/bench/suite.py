@@ -104,6 +104,13 @@ def default_cases() -> list[Case]:
     return cases
 
 
+def global_cases() -> list[Case]:
+    """Global r8 layers on a whole 28x28 digit, batch 1: every pixel attends to every pixel."""
+    return [
+        gsa_layer("r8", form, patch=0, side=28, batch=1) for form in ("lifting", "sum", "single")
+    ]
+
+
 GPU_BATCHES = (8, 32, 128)  # the paper's rotMNIST batch (8), and larger ones a GPU fills
 
 
@@ -123,6 +130,8 @@ PRESETS: dict[str, Preset] = {
         Preset("reference", "GSA-Net issue figures: z2/r4/r8 rotMNIST nets, batch 2, vs the "
                "reference implementation", reference_cases, repeats=3, warmup=1, threads=2,
                modes=("train",)),
+        Preset("global", "global r8 layers (lifting, sum, single) on 28x28 maps, batch 1",
+               global_cases, repeats=2, warmup=1),
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=3, warmup=1),

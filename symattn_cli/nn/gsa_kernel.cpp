@@ -147,7 +147,7 @@ struct Tile {
   // beta (rows, J, G); r (e)
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (J, M, d); dc, dgl (M, G)
+  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G)
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl;
 
   Tile(const Problem<S>& p, bool backward) {
@@ -156,7 +156,7 @@ struct Tile {
                              p.threshold ? J * M * G : 0, J * G, J * G, J * G * d,
                              p.rows() * J * G, std::max<int64_t>(p.e, 1),
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
-                             b * G * d, b * J * M * d, b * J * M * d, b * M * G, b * M * G};
+                             b * G * d, b * J * M * d, b * J * M * d, b * J * M * G, b * M * G};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r,
                     &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl};
     int64_t total = 0;
@@ -383,21 +383,27 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     for (int64_t v = 1; v < p.V; ++v)
       for (int64_t c = 0; c < d; ++c) tl.go[c] += tl.go[v * d + c];
   }
-  // dbeta (into dt) and dW
-  std::fill(tl.dw, tl.dw + J * G * d, V{});
+  // dbeta (into dt), then dW; sums in registers
   for (int64_t k = 0; k < rows; ++k)
     for (int64_t j = 0; j < J; ++j)
       for (int64_t g = 0; g < G; ++g) {
         const V* gk = tl.go + (p.single ? g : k) * d;
-        const V b = tl.beta[(k * J + j) * G + g];
         const V* wg = tl.w + (j * G + g) * d;
-        V* dwg = tl.dw + (j * G + g) * d;
         V acc{};
-        for (int64_t c = 0; c < d; ++c) {
-          acc += gk[c] * wg[c];
-          dwg[c] += b * gk[c];
-        }
+        for (int64_t c = 0; c < d; ++c) acc += gk[c] * wg[c];
         tl.dt[(k * J + j) * G + g] = acc;
+      }
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < d; ++c) {
+        V acc{};
+        if (p.single) {
+          acc = tl.beta[j * G + g] * tl.go[g * d + c];
+        } else {
+          for (int64_t k = 0; k < rows; ++k)
+            acc += tl.beta[(k * J + j) * G + g] * tl.go[k * d + c];
+        }
+        tl.dw[(j * G + g) * d + c] = acc;
       }
   // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
   std::fill(tl.dlse, tl.dlse + J * G, V{});
@@ -412,7 +418,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
         tl.dlse[j * G + g] += dtk[j * G + g];
       }
     }
-  // the spatial term
+  // the spatial term: dq[g, :e] = sum_(k,j) dt[k,j,g] rho[k or g, off]; d rho
   std::fill(tl.dq, tl.dq + G * d, V{});
   if (e) {
     for (int64_t k = 0; k < rows; ++k)
@@ -439,12 +445,13 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     const V* pj = tl.pi + j * M * G;
     const V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
     const V* dwj = tl.dw + j * G * d;
+    V* dc = tl.dc + j * M * G;
     for (int64_t m = 0; m < M; ++m) {
       const V* vm = tl.vg + (j * M + m) * d;
       for (int64_t g = 0; g < G; ++g) {  // dpi, into dc
         V acc{};
         for (int64_t c = 0; c < d; ++c) acc += vm[c] * dwj[g * d + c];
-        tl.dc[m * G + g] = kp ? acc * kp[m * G + g] : acc;
+        dc[m * G + g] = kp ? acc * kp[m * G + g] : acc;
       }
       for (int64_t c = 0; c < d; ++c) {  // dv
         V acc{};
@@ -455,22 +462,24 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     }
     for (int64_t g = 0; g < G; ++g) {  // dc = pi (dpi - sum_m pi dpi + dlse)
       V acc = -tl.dlse[j * G + g];
-      for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * tl.dc[m * G + g];
-      for (int64_t m = 0; m < M; ++m) tl.dc[m * G + g] = pj[m * G + g] * (tl.dc[m * G + g] - acc);
+      for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * dc[m * G + g];
+      for (int64_t m = 0; m < M; ++m) dc[m * G + g] = pj[m * G + g] * (dc[m * G + g] - acc);
     }
     if (gr.dgl)
-      for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += tl.dc[mg];
-    for (int64_t m = 0; m < M; ++m)
+      for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += dc[mg];
+    for (int64_t m = 0; m < M; ++m)  // dk
       for (int64_t c = 0; c < d; ++c) {
-        const V kc = tl.kg[(j * M + m) * d + c];
         V acc{};
-        for (int64_t g = 0; g < G; ++g) {
-          tl.dq[g * d + c] += tl.dc[m * G + g] * kc;
-          acc += tl.dc[m * G + g] * tl.q[g * d + c];
-        }
+        for (int64_t g = 0; g < G; ++g) acc += dc[m * G + g] * tl.q[g * d + c];
         tl.dkg[(j * M + m) * d + c] = acc;
       }
   }
+  for (int64_t g = 0; g < G; ++g)  // dq[g] += sum_(j,m) dc[j,m,g] k[j,m]
+    for (int64_t c = 0; c < d; ++c) {
+      V acc = tl.dq[g * d + c];
+      for (int64_t jm = 0; jm < J * M; ++jm) acc += tl.dc[jm * G + g] * tl.kg[jm * d + c];
+      tl.dq[g * d + c] = acc;
+    }
   // scatter to the tile's queries and their neighbours
   for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
   if (gr.dgl)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from symattn_cli.data.base import DataBundle, DataError
+from symattn_cli.data.base import DataBundle, DataError, DataSpec
 from symattn_cli.data.image_common import (
     SEED_STREAM_SPLIT,
     VARIANTS,
+    GridAugmentation,
     ImageTensorDataset,
     check_variant,
     classify_spec,
@@ -74,6 +75,35 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 PCAM_FOLDER = "pcam"
 PCAM_SPLITS = {"train": "train", "val": "valid", "test": "test"}
+
+# classes, channels, image side and architecture preset of each dataset
+SHAPES = {
+    "mnist": (10, 1, 28, "rotmnist"),
+    "cifar10": (10, 3, 32, "cifar10"),
+    "pcam": (2, 3, 96, "pcam"),
+}
+# data.augment=true: CIFAR-10 the usual shift by up to 4 pixels and left-right flip; PCam
+# every flip and quarter turn (histology has no upright).
+AUGMENTATIONS = {
+    "cifar10": GridAugmentation(shift=4, flip=True),
+    "pcam": GridAugmentation(flip=True, quarter_turns=True),
+}
+
+
+def spec(name: str, options: Mapping[str, Any]) -> DataSpec:
+    """The DataSpec of dataset ``name``, known without reading its files."""
+    return classify_spec(options, *SHAPES[name])
+
+
+def augmentation(name: str, options: Mapping[str, Any]) -> GridAugmentation | None:
+    """The training augmentation of ``name`` when ``data.augment`` is on, else None."""
+    return AUGMENTATIONS.get(name) if option(options, "augment", False) else None
+
+
+def training_symmetries(name: str, options: Mapping[str, Any]) -> dict[str, Callable]:
+    """The pixel-exact flips and turns the training images of ``name`` go through."""
+    augment = augmentation(name, options)
+    return {} if augment is None else augment.pixel_exact()
 
 
 def _pcam_files(split: str) -> tuple[str, str]:
@@ -157,7 +187,7 @@ def build_mnist(name: str, options: Mapping[str, Any], root: Path) -> DataBundle
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 10, 1, 28, "rotmnist"),
+        spec=spec(name, options),
     )
 
 
@@ -241,17 +271,6 @@ def _read_cifar(root: Path, download: bool, verify_md5: bool):
     return parts  # [(train uint8 (N, 3, 32, 32), labels), (test ..., labels)]
 
 
-def _crop_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
-    """Random translation by up to ``pad`` pixels (zero fill) and random horizontal flip."""
-    c, h, w = x.shape
-    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))  # (C, H + 2p, W + 2p)
-    top, left = torch.randint(0, 2 * pad + 1, (2,)).tolist()
-    out = padded[:, top : top + h, left : left + w]
-    if torch.rand(()) < 0.5:
-        out = out.flip(-1)
-    return out.contiguous()
-
-
 def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
     check_variant(name, options, ("plain",), default="plain")
     seed = int_option(options, "split_seed")
@@ -261,7 +280,7 @@ def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBund
         verify_md5=bool(option(options, "verify_md5", True)),
     )
     train_idx, val_idx = _holdout(len(train_y), CIFAR_VAL_DIVISOR, seed)
-    augment = _crop_flip if option(options, "augment", False) else None
+    augment = augmentation(name, options)
     datasets = {}
     for split, (x, y, indices) in {
         "train": (train_x, train_y, train_idx),
@@ -280,19 +299,11 @@ def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBund
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 10, 3, 32, "cifar10"),
+        spec=spec(name, options),
     )
 
 
 # --- PCam -------------------------------------------------------------------------------------
-
-
-def _flip_turn(x: torch.Tensor) -> torch.Tensor:
-    """Random element of the dihedral group of the square (histology has no upright)."""
-    k = int(torch.randint(0, 4, ()))
-    if torch.rand(()) < 0.5:
-        x = x.flip(-1)
-    return torch.rot90(x, k, dims=(-2, -1)).contiguous()
 
 
 class PCamDataset(Dataset):
@@ -385,7 +396,7 @@ def build_pcam(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
                 PCAM(str(root), split=split, download=True)
         except DOWNLOAD_ERRORS as err:
             raise _pcam_missing(root, f"download failed: {_one_line(err)}") from None
-    augment = _flip_turn if option(options, "augment", False) else None
+    augment = augmentation(name, options)
     datasets = {}
     for split in PCAM_SPLITS:
         x_name, y_name = _pcam_files(split)
@@ -397,7 +408,7 @@ def build_pcam(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 2, 3, 96, "pcam"),
+        spec=spec(name, options),
     )
 
 

@@ -5,7 +5,7 @@ dataset    files (under the data root)                     reader
 =========  ==============================================  ================================
 mnist      ``MNIST/raw/{train,t10k}-images-idx3-ubyte``    torchvision ``MNIST`` (checks
            ``MNIST/raw/{train,t10k}-labels-idx1-ubyte``    only that the files exist)
-cifar10    ``cifar-10-batches-py/data_batch_{1..5}``,      own pickle reader (below)
+cifar10    ``cifar-10-batches-py/data_batch_{1..5}``,      own restricted pickle reader
            ``.../test_batch``
 pcam       ``pcam/camelyonpatch_level_2_split_{train,``    own lazy h5py reader (below)
            ``valid,test}_{x,y}.h5``
@@ -14,9 +14,12 @@ pcam       ``pcam/camelyonpatch_level_2_split_{train,``    own lazy h5py reader 
 CIFAR-10: torchvision's ``CIFAR10`` refuses any batch file whose md5 differs from the
 original's, so it cannot read small files of the same format; this module reads the pickle
 batches itself and checks the same md5 sums (taken from torchvision's class) only when
-``verify_md5`` is on. PCam: torchvision's ``PCAM`` reopens both HDF5 files for every item;
-this module keeps one handle per process and reads images lazily (the training images are
-7 GB as uint8). Downloads go through torchvision; any failure becomes one DataError line.
+``verify_md5`` is on. Its unpickler admits only the types a batch holds (numpy arrays and
+dtypes, besides pickle's own dicts, lists, strings and numbers), so a crafted file in
+``data/`` is refused instead of running code. PCam: torchvision's ``PCAM`` reopens both HDF5
+files for every item; this module keeps one handle per process and reads images lazily (the
+training images are 7 GB as uint8). Downloads go through torchvision; any failure becomes one
+DataError line.
 
 Splits: MNIST and CIFAR-10 hold out a seeded 1/12 resp. 1/10 of their training files for
 validation (5,000 images each); PCam has its own validation files.
@@ -205,16 +208,49 @@ def _cifar_missing(root: Path, why: str) -> DataError:
     )
 
 
+# The only globals a CIFAR-10 batch refers to: numpy's array reconstruction (under numpy 1's
+# and numpy 2's module names; _frombuffer for pickle protocol 5), ndarray and dtype; and, in
+# batches re-pickled by Python 3 with protocol 2, _codecs.encode for bytes (as latin-1 text).
+CIFAR_PICKLE_GLOBALS = frozenset(
+    [(f"numpy.{core}.multiarray", "_reconstruct") for core in ("core", "_core")]
+    + [(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")]
+    + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
+)
+
+
+def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it, for latin-1 text only."""
+    if not isinstance(text, str) or encoding.replace("-", "").lower() != "latin1":
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} is not a batch's bytes")
+    return text.encode("latin-1")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that builds nothing but pickle's plain types and numpy arrays: every
+    callable a pickle can name goes through :meth:`find_class`, which admits only
+    :data:`CIFAR_PICKLE_GLOBALS`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which no CIFAR-10 batch holds"
+            )
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
+        return super().find_class(module, name)
+
+
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 python batch: uint8 images ``(n, 3, 32, 32)``, int64 labels ``(n,)``.
 
     The batch is a pickled dict with ``data`` (n × 3072 uint8, channel planes R, G, B, each
-    32×32 row-major) and ``labels`` (n ints). Only open files you trust: unpickling runs code.
+    32×32 row-major) and ``labels`` (n ints), read by :class:`_CifarUnpickler`: a file that
+    names any other type raises :class:`DataError` before anything of it runs.
     """
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
-    except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            entry = _CifarUnpickler(f, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
         raise DataError(f"{path} is not a CIFAR-10 python batch ({err}); replace it") from None
     if not isinstance(entry, dict) or "data" not in entry or "labels" not in entry:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no data/labels); replace it")

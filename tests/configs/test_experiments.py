@@ -169,3 +169,29 @@ def test_presets_are_invariant_to_the_flips_of_their_data(dataset):
             for what, transform in symmetries.items():
                 change = (model(transform(x)) - reference).abs().max() / reference.abs().max()
                 assert change <= 1e-10, (cfg.model.group, what, float(change))
+
+
+def test_models_and_data_bring_their_trainer_and_presets_and_the_command_line_win():
+    """Precedence, lowest first: trainer/default < the trainer option a model family or a
+    dataset picks < an experiment preset's values < the command line."""
+    image = compose_train().trainer  # trainer/default: tuned for the default image run
+    assert (image.batch_size, image.lr, image.epochs, image.grad_clip) == (16, 1e-2, 10, 0.0)
+    assert compose_train("model=cnn").trainer == image
+    sequence = compose_train("model=ka_softmax", "data=arithmetic").trainer
+    assert (sequence.batch_size, sequence.lr, sequence.epochs) == (64, 3e-3, 12)
+    assert (sequence.warmup_epochs, sequence.grad_clip, sequence.threads) == (1, 1.0, 1)
+    for picked in (
+        ["data=sort"],
+        ["data=reverse"],
+        ["model=ka_perm"],
+        ["experiment=ka_arithmetic"],
+    ):
+        assert compose_train(*picked).trainer == sequence, picked
+    # the command line beats the option a model or dataset picks, by value or by option
+    assert compose_train("data=arithmetic", "trainer.lr=1e-4").trainer.lr == 1e-4
+    assert compose_train("model=ka_softmax", "data=arithmetic", "trainer=default").trainer == image
+    # a preset's values beat the picked option's, whose other values beat the default's
+    mixed = compose_train("experiment=gsa_rotmnist", "model=ka_softmax").trainer
+    assert (mixed.batch_size, mixed.lr, mixed.grad_clip) == (8, 1e-3, 1.0)
+    mixed = compose_train("experiment=gsa_rotmnist", "model=ka_softmax", "trainer.batch_size=5")
+    assert mixed.trainer.batch_size == 5

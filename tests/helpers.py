@@ -42,6 +42,17 @@ def values_and_gradients(module, x, seed: int = 1) -> list:
     return [out.detach(), *(g for g in grads if g is not None)]
 
 
+class CodePayload:
+    """What a crafted pickle holds: unpickling it runs code, here writing ``marker``. A test
+    that feeds one to symattn checks that ``marker`` never appears."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('the payload ran')",)
+
+
 def symattn_env() -> dict[str, str]:
     env = dict(os.environ)
     for key in [k for k in env if k.startswith("WANDB_") or k == "HYDRA_FULL_ERROR"]:

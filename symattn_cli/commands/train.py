@@ -74,8 +74,10 @@ def train(cfg: Any) -> dict[str, float]:
     )
 
     resume_path = locate_run_file(cfg.resume) if cfg.resume else None
+    state = None
     if resume_path is not None:
         cfg = stored_config(resume_path)
+        state = read_state(resume_path)  # first: a state that cannot be read fails at once
         directory = resume_path.parent
     else:
         directory = run_dir()
@@ -97,10 +99,7 @@ def train(cfg: Any) -> dict[str, float]:
     names = metric_names(data.spec.task, data.extra_tests)
 
     if resume_path is not None:
-        state = read_state(resume_path)
         barrier(world)  # every process has its state before rank 0 reopens the file
-    else:
-        state = None
     if not world.is_main:
         run_file = NullRunFile()
     elif resume_path is not None:

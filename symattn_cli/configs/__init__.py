@@ -1,7 +1,10 @@
 """The config boundary: structured schemas registered with Hydra, and name registries.
 
 Each module here lists ``SCHEMAS`` as ``(group, name, dataclass)``; a YAML file in ``conf/``
-extends a schema through its defaults list, so Hydra type-checks every override.
+extends a schema through its defaults list, so Hydra type-checks every override. Schemas are
+stored at the root (group ``None``), outside the selectable groups, and a group's YAML pulls
+its schema in with an absolute entry (``- /cnn_schema@_here_`` in ``model/cnn.yaml``): Hydra
+then never offers a schema as a ``model=`` / ``data=`` / ... option.
 """
 
 from __future__ import annotations

@@ -93,6 +93,6 @@ SCHEMAS: list[tuple[str | None, str, Any]] = [
     (None, "train_schema", TrainConfig),
     (None, "verify_schema", VerifyConfig),
     (None, "benchmark_schema", BenchmarkConfig),
-    ("trainer", "trainer_schema", TrainerConfig),
-    ("logger", "logger_schema", LoggerConfig),
+    (None, "trainer_schema", TrainerConfig),
+    (None, "logger_schema", LoggerConfig),
 ]

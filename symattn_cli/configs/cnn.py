@@ -17,5 +17,5 @@ class CNNConfig:
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [
-    ("model", "cnn_schema", CNNConfig),
+    (None, "cnn_schema", CNNConfig),
 ]

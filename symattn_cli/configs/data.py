@@ -24,5 +24,5 @@ class ImageDataConfig:
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [
-    ("data", "image_schema", ImageDataConfig),
+    (None, "image_schema", ImageDataConfig),
 ]

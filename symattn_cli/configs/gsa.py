@@ -49,6 +49,6 @@ class GCNNConfig:
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [
-    ("model", "gsa_schema", GSANetConfig),
-    ("model", "gcnn_schema", GCNNConfig),
+    (None, "gsa_schema", GSANetConfig),
+    (None, "gcnn_schema", GCNNConfig),
 ]

@@ -36,5 +36,5 @@ class KnowledgeAttentionConfig:
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [
-    ("model", "ka_schema", KnowledgeAttentionConfig),
+    (None, "ka_schema", KnowledgeAttentionConfig),
 ]

@@ -26,5 +26,5 @@ class SequenceDataConfig:
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [
-    ("data", "sequence_schema", SequenceDataConfig),
+    (None, "sequence_schema", SequenceDataConfig),
 ]

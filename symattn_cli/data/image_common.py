@@ -9,6 +9,7 @@ import hashlib
 import shutil
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,54 @@ class ImageTensorDataset(Dataset):
         if self.augment is not None:
             x = self.augment(x)
         return x, int(self.labels[index])
+
+
+@dataclass(frozen=True)
+class GridAugmentation:
+    """Random training transformations of one image ``(C, H, W)``, in this order: a shift by
+    up to ``shift`` pixels each way (zero fill), a left-right flip (x -> -x, the columns
+    reversed) with probability 1/2 when ``flip``, a turn by a random multiple of 90 degrees
+    when ``quarter_turns``.
+
+    :meth:`pixel_exact` names the flips and turns among these, which map the pixel grid onto
+    itself: a model meant for the data should be exactly invariant to each of them (the
+    tests hold every preset to it).
+    """
+
+    shift: int = 0
+    flip: bool = False
+    quarter_turns: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shift:
+            _, h, w = x.shape
+            p = self.shift
+            padded = F.pad(x, (p, p, p, p))  # (C, H + 2p, W + 2p)
+            top, left = torch.randint(0, 2 * p + 1, (2,)).tolist()
+            x = padded[:, top : top + h, left : left + w]  # (C, H, W)
+        turns = int(torch.randint(0, 4, ())) if self.quarter_turns else 0
+        if self.flip and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        if turns:
+            x = torch.rot90(x, turns, dims=(-2, -1))  # counter-clockwise as displayed
+        return x.contiguous()
+
+    def pixel_exact(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The generators of the flips and turns this augmentation draws from, by name."""
+        out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        if self.flip:
+            out["left-right flip"] = _flip_left_right
+        if self.quarter_turns:
+            out["quarter turn"] = _quarter_turn
+        return out
+
+
+def _flip_left_right(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(-1)
+
+
+def _quarter_turn(x: torch.Tensor) -> torch.Tensor:
+    return torch.rot90(x, 1, dims=(-2, -1))
 
 
 def generator(seed: int, stream: int) -> torch.Generator:

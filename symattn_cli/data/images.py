@@ -18,7 +18,7 @@ the folder and how to get them. ``data/README.md`` lists the files of each datas
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +45,18 @@ def build(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
     if takes_root:
         return module.build(name, dict(options), Path(root))
     return module.build(name, dict(options))
+
+
+def training_symmetries(name: str, options: Mapping[str, Any]) -> dict[str, Callable]:
+    """The pixel-exact flips and quarter turns that dataset ``name`` (with ``options``, the
+    data config) applies to its training images, by augmentation or variant: functions on
+    ``(..., H, W)``, by name. A model meant for the data should be exactly invariant to each.
+
+    Turns by arbitrary angles (the rotMNIST family's variants and augmentation) map no pixel
+    grid onto itself and are not listed.
+    """
+    if name not in _MODULES:
+        raise DataError(f"image dataset {name!r} is unknown; choose one of {list(_MODULES)}")
+    module = importlib.import_module(_MODULES[name][0])
+    symmetries = getattr(module, "training_symmetries", None)
+    return {} if symmetries is None else symmetries(name, dict(options))

@@ -5,7 +5,7 @@ dataset    files (under the data root)                     reader
 =========  ==============================================  ================================
 mnist      ``MNIST/raw/{train,t10k}-images-idx3-ubyte``    torchvision ``MNIST`` (checks
            ``MNIST/raw/{train,t10k}-labels-idx1-ubyte``    only that the files exist)
-cifar10    ``cifar-10-batches-py/data_batch_{1..5}``,      own pickle reader (below)
+cifar10    ``cifar-10-batches-py/data_batch_{1..5}``,      own restricted pickle reader
            ``.../test_batch``
 pcam       ``pcam/camelyonpatch_level_2_split_{train,``    own lazy h5py reader (below)
            ``valid,test}_{x,y}.h5``
@@ -14,9 +14,12 @@ pcam       ``pcam/camelyonpatch_level_2_split_{train,``    own lazy h5py reader 
 CIFAR-10: torchvision's ``CIFAR10`` refuses any batch file whose md5 differs from the
 original's, so it cannot read small files of the same format; this module reads the pickle
 batches itself and checks the same md5 sums (taken from torchvision's class) only when
-``verify_md5`` is on. PCam: torchvision's ``PCAM`` reopens both HDF5 files for every item;
-this module keeps one handle per process and reads images lazily (the training images are
-7 GB as uint8). Downloads go through torchvision; any failure becomes one DataError line.
+``verify_md5`` is on. Its unpickler admits only the types a batch holds (numpy arrays and
+dtypes, besides pickle's own dicts, lists, strings and numbers), so a crafted file in
+``data/`` is refused instead of running code. PCam: torchvision's ``PCAM`` reopens both HDF5
+files for every item; this module keeps one handle per process and reads images lazily (the
+training images are 7 GB as uint8). Downloads go through torchvision; any failure becomes one
+DataError line.
 
 Splits: MNIST and CIFAR-10 hold out a seeded 1/12 resp. 1/10 of their training files for
 validation (5,000 images each); PCam has its own validation files.
@@ -27,7 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from symattn_cli.data.base import DataBundle, DataError
+from symattn_cli.data.base import DataBundle, DataError, DataSpec
 from symattn_cli.data.image_common import (
     SEED_STREAM_SPLIT,
     VARIANTS,
+    GridAugmentation,
     ImageTensorDataset,
     check_variant,
     classify_spec,
@@ -74,6 +78,35 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 PCAM_FOLDER = "pcam"
 PCAM_SPLITS = {"train": "train", "val": "valid", "test": "test"}
+
+# classes, channels, image side and architecture preset of each dataset
+SHAPES = {
+    "mnist": (10, 1, 28, "rotmnist"),
+    "cifar10": (10, 3, 32, "cifar10"),
+    "pcam": (2, 3, 96, "pcam"),
+}
+# data.augment=true: CIFAR-10 the usual shift by up to 4 pixels and left-right flip; PCam
+# every flip and quarter turn (histology has no upright).
+AUGMENTATIONS = {
+    "cifar10": GridAugmentation(shift=4, flip=True),
+    "pcam": GridAugmentation(flip=True, quarter_turns=True),
+}
+
+
+def spec(name: str, options: Mapping[str, Any]) -> DataSpec:
+    """The DataSpec of dataset ``name``, known without reading its files."""
+    return classify_spec(options, *SHAPES[name])
+
+
+def augmentation(name: str, options: Mapping[str, Any]) -> GridAugmentation | None:
+    """The training augmentation of ``name`` when ``data.augment`` is on, else None."""
+    return AUGMENTATIONS.get(name) if option(options, "augment", False) else None
+
+
+def training_symmetries(name: str, options: Mapping[str, Any]) -> dict[str, Callable]:
+    """The pixel-exact flips and turns the training images of ``name`` go through."""
+    augment = augmentation(name, options)
+    return {} if augment is None else augment.pixel_exact()
 
 
 def _pcam_files(split: str) -> tuple[str, str]:
@@ -157,7 +190,7 @@ def build_mnist(name: str, options: Mapping[str, Any], root: Path) -> DataBundle
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 10, 1, 28, "rotmnist"),
+        spec=spec(name, options),
     )
 
 
@@ -175,16 +208,49 @@ def _cifar_missing(root: Path, why: str) -> DataError:
     )
 
 
+# The only globals a CIFAR-10 batch refers to: numpy's array reconstruction (under numpy 1's
+# and numpy 2's module names; _frombuffer for pickle protocol 5), ndarray and dtype; and, in
+# batches re-pickled by Python 3 with protocol 2, _codecs.encode for bytes (as latin-1 text).
+CIFAR_PICKLE_GLOBALS = frozenset(
+    [(f"numpy.{core}.multiarray", "_reconstruct") for core in ("core", "_core")]
+    + [(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")]
+    + [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
+)
+
+
+def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it, for latin-1 text only."""
+    if not isinstance(text, str) or encoding.replace("-", "").lower() != "latin1":
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} is not a batch's bytes")
+    return text.encode("latin-1")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that builds nothing but pickle's plain types and numpy arrays: every
+    callable a pickle can name goes through :meth:`find_class`, which admits only
+    :data:`CIFAR_PICKLE_GLOBALS`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which no CIFAR-10 batch holds"
+            )
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
+        return super().find_class(module, name)
+
+
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 python batch: uint8 images ``(n, 3, 32, 32)``, int64 labels ``(n,)``.
 
     The batch is a pickled dict with ``data`` (n × 3072 uint8, channel planes R, G, B, each
-    32×32 row-major) and ``labels`` (n ints). Only open files you trust: unpickling runs code.
+    32×32 row-major) and ``labels`` (n ints), read by :class:`_CifarUnpickler`: a file that
+    names any other type raises :class:`DataError` before anything of it runs.
     """
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
-    except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            entry = _CifarUnpickler(f, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
         raise DataError(f"{path} is not a CIFAR-10 python batch ({err}); replace it") from None
     if not isinstance(entry, dict) or "data" not in entry or "labels" not in entry:
         raise DataError(f"{path} is not a CIFAR-10 python batch (no data/labels); replace it")
@@ -241,17 +307,6 @@ def _read_cifar(root: Path, download: bool, verify_md5: bool):
     return parts  # [(train uint8 (N, 3, 32, 32), labels), (test ..., labels)]
 
 
-def _crop_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
-    """Random translation by up to ``pad`` pixels (zero fill) and random horizontal flip."""
-    c, h, w = x.shape
-    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))  # (C, H + 2p, W + 2p)
-    top, left = torch.randint(0, 2 * pad + 1, (2,)).tolist()
-    out = padded[:, top : top + h, left : left + w]
-    if torch.rand(()) < 0.5:
-        out = out.flip(-1)
-    return out.contiguous()
-
-
 def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
     check_variant(name, options, ("plain",), default="plain")
     seed = int_option(options, "split_seed")
@@ -261,7 +316,7 @@ def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBund
         verify_md5=bool(option(options, "verify_md5", True)),
     )
     train_idx, val_idx = _holdout(len(train_y), CIFAR_VAL_DIVISOR, seed)
-    augment = _crop_flip if option(options, "augment", False) else None
+    augment = augmentation(name, options)
     datasets = {}
     for split, (x, y, indices) in {
         "train": (train_x, train_y, train_idx),
@@ -280,19 +335,11 @@ def build_cifar10(name: str, options: Mapping[str, Any], root: Path) -> DataBund
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 10, 3, 32, "cifar10"),
+        spec=spec(name, options),
     )
 
 
 # --- PCam -------------------------------------------------------------------------------------
-
-
-def _flip_turn(x: torch.Tensor) -> torch.Tensor:
-    """Random element of the dihedral group of the square (histology has no upright)."""
-    k = int(torch.randint(0, 4, ()))
-    if torch.rand(()) < 0.5:
-        x = x.flip(-1)
-    return torch.rot90(x, k, dims=(-2, -1)).contiguous()
 
 
 class PCamDataset(Dataset):
@@ -385,7 +432,7 @@ def build_pcam(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
                 PCAM(str(root), split=split, download=True)
         except DOWNLOAD_ERRORS as err:
             raise _pcam_missing(root, f"download failed: {_one_line(err)}") from None
-    augment = _flip_turn if option(options, "augment", False) else None
+    augment = augmentation(name, options)
     datasets = {}
     for split in PCAM_SPLITS:
         x_name, y_name = _pcam_files(split)
@@ -397,7 +444,7 @@ def build_pcam(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
         train=datasets["train"],
         val=datasets["val"],
         test=datasets["test"],
-        spec=classify_spec(options, 2, 3, 96, "pcam"),
+        spec=spec(name, options),
     )
 
 

@@ -1,7 +1,8 @@
 """Symmetry groups as objects (pure maths): ``get_group(name)`` resolves config names.
 
 Names: ``z2`` (identity only), ``z4`` (alias ``r4``), ``r8``, ``r12``, ``r16`` (rotations by
-360/n degrees), ``mirror`` (alias ``z2m``), ``z4m`` (alias ``r4m``), ``r8m`` (dihedral).
+360/n degrees), ``mirror`` (alias ``z2m``: the left-right flip), ``z4m`` (alias ``r4m``), ``r8m``
+(dihedral: rotations and the left-right flip).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Finite subgroups H of O(2) acting on the plane, on themselves and on pixel grids.
 
 A group element u is stored as an index ``e = s * n + k`` meaning ``u = R^k M^s``: a rotation
-by ``k * 360/n`` degrees after an optional reflection ``M: (x, y) -> (x, -y)``. Because
-``M R_theta = R_{-theta} M``, composition is ``(k1, s1)(k2, s2) = (k1 + (-1)^s1 k2, s1 + s2)``.
+by ``k * 360/n`` degrees after an optional reflection ``M: (x, y) -> (-x, y)``, the left-right
+flip of an image (the horizontal flip of data augmentation, a symmetry of natural images).
+Because ``M R_theta = R_{-theta} M``, composition is
+``(k1, s1)(k2, s2) = (k1 + (-1)^s1 k2, s1 + s2)``.
 
 Letters: B batch, C channels, N = |H| group elements, H/W image height/width (rows/columns),
 I points, P patch side.
@@ -130,7 +132,7 @@ class Group:
     # ------------------------------------------------------------------ actions
     @cached_property
     def _matrices64(self) -> torch.Tensor:
-        """``(N, 2, 2)`` float64 on the CPU: ``R^k M^s`` with M = diag(1, +-1), so each entry
+        """``(N, 2, 2)`` float64 on the CPU: ``R^k M^s`` with M = diag(-1, 1), so each entry
         is +-cos or +-sin of the angle, exactly, and casting to another dtype rounds each
         entry once, as building it in that dtype would."""
         rows = []
@@ -142,8 +144,8 @@ class Group:
             else:
                 theta = 2 * math.pi * k / self.rotations
                 c, si = math.cos(theta), math.sin(theta)
-            m = -1.0 if s else 1.0  # R M: the second column of R times m
-            rows.append([[c, -si * m], [si, c * m]])
+            m = -1.0 if s else 1.0  # R M: the first column of R times m
+            rows.append([[c * m, -si], [si * m, c]])
         return torch.tensor(rows, dtype=torch.float64, device="cpu") + 0.0  # -0 -> +0, as R @ M
 
     def matrix(self, e: int, dtype=torch.float64, device=None) -> torch.Tensor:
@@ -195,7 +197,7 @@ class Group:
         if quarter % 2 and f.shape[-1] != f.shape[-2]:
             raise GridActionError(f"a quarter turn needs a square grid, got {tuple(f.shape[-2:])}")
         if s:
-            f = torch.flip(f, dims=(-2,))  # M: y -> -y flips the rows
+            f = torch.flip(f, dims=(-1,))  # M: x -> -x flips the columns (left-right)
         # rot90 from the row axis towards the column axis turns counter-clockwise as
         # displayed, i.e. by +90 degrees in the (x, y) convention of grid_coordinates.
         return torch.rot90(f, quarter, dims=(-2, -1))

@@ -1,6 +1,6 @@
 """The HDF5 run file: one per run, readable while the run writes it.
 
-Schema (``format = "symattn-run"``, ``format_version = 1``; documented in the README):
+Schema (``format = "symattn-run"``, ``format_version = 2``; documented in the README):
 
     /                        attrs: format, format_version, command, created, symattn_version
     /config                  attrs: yaml (the resolved config), seed
@@ -12,8 +12,9 @@ Schema (``format = "symattn-run"``, ``format_version = 1``; documented in the RE
     /writer                  utf-8 string: "host:pid" of the process writing the file
     /summary/<name>          float64 scalar: final metrics (NaN until the run has finished)
     /weights/best/<param>    the best-on-validation weights, one dataset per state_dict entry
-    /state/blob0, blob1      uint8 (bytes of ``torch.save``): model, optimiser, scheduler,
-                             RNG states, epoch, step, best tracking, logger run id
+    /state/blob0, blob1      uint8: model, optimiser, scheduler, RNG states, epoch, step,
+                             best tracking, logger run id, in the pickle-free format of
+                             :mod:`symattn_cli.train.state_codec` (reading runs no code)
     /state/size0, size1      int64 scalars: the valid length of each blob
     /state/current           int64 scalar: the slot holding the latest complete state (-1: none)
     /results/...             command-specific tables (equivariance, benchmarks)
@@ -22,12 +23,16 @@ Every dataset is created before SWMR mode is switched on, so a second process ca
 file with ``h5py.File(path, "r", libver="latest", swmr=True)`` and read live metrics; the
 writer flushes after every epoch, so a killed run keeps every finished epoch and its state.
 The state is written into the slot not in use and only then made current, so a kill during
-that write leaves the previous state intact.
+that write leaves the previous state intact. (One byte blob per slot, not a dataset per
+tensor: no dataset can be created once the file is in SWMR mode.)
+
+Format 1 stored the state as the bytes of ``torch.save``, a pickle; resuming such a file is
+refused with a one-line error rather than unpickled, since unpickling runs code. Everything
+else in a format 1 file (config, metrics, best weights, results) reads as before.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import socket
@@ -41,7 +46,9 @@ import numpy as np
 from symattn_cli.errors import UserError
 
 FORMAT = "symattn-run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The first bytes of a torch.save file (a zip archive holding a pickle): format 1's state.
+TORCH_SAVE_MAGIC = b"PK\x03\x04"
 STATUS_LENGTH = 16
 
 
@@ -206,12 +213,10 @@ class RunFile:
             best[name][...] = array
 
     def write_state(self, state: Mapping[str, Any]) -> None:
-        """Store the resumable training state as the bytes of ``torch.save``."""
-        import torch
+        """Store the resumable training state (:func:`symattn_cli.train.state_codec.encode`)."""
+        from symattn_cli.train.state_codec import encode
 
-        buffer = io.BytesIO()
-        torch.save(dict(state), buffer)
-        payload = np.frombuffer(buffer.getbuffer(), dtype=np.uint8)
+        payload = np.frombuffer(encode(state), dtype=np.uint8)
         slot = 1 - max(0, int(self._h5["state/current"][()]))
         blob = self._h5[f"state/blob{slot}"]
         if blob.shape[0] < payload.shape[0]:
@@ -399,13 +404,33 @@ def read_weights(path: Path) -> dict[str, np.ndarray]:
 
 
 def read_state(path: Path) -> dict[str, Any] | None:
-    """The resumable state stored in a run file, or ``None`` if none was written yet."""
-    import torch
+    """The resumable state stored in a run file, or ``None`` if none was written yet.
 
-    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
-        slot = int(h5["state/current"][()])
-        if slot < 0:
-            return None
-        size = int(h5[f"state/size{slot}"][()])
-        payload = h5[f"state/blob{slot}"][:size].tobytes()
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    Decoding runs no code whatever the file holds: anything but a state in
+    :mod:`symattn_cli.train.state_codec`'s format (a format 1 pickle, damaged or crafted
+    bytes) raises :class:`RunFileError`, and the file is left as it is.
+    """
+    from symattn_cli.train.state_codec import StateFormatError, decode
+
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+            slot = int(h5["state/current"][()])
+            if slot < 0:
+                return None
+            size = int(h5[f"state/size{slot}"][()])
+            payload = h5[f"state/blob{slot}"][:size].tobytes()
+    except (OSError, KeyError, ValueError, TypeError) as err:
+        raise RunFileError(f"{path}: its training state cannot be read ({err})") from None
+    if payload.startswith(TORCH_SAVE_MAGIC):
+        raise RunFileError(
+            f"{path} keeps its training state as a pickle (run file format 1), which is not "
+            "loaded because unpickling a shared file can run code; start the run again "
+            "without resume= (its metrics and best weights stay readable)"
+        )
+    try:
+        return decode(payload)
+    except StateFormatError as err:
+        raise RunFileError(
+            f"{path}: the training state is not one symattn wrote ({err}), so it is not "
+            "loaded; start the run again without resume="
+        ) from None

@@ -14,7 +14,6 @@ neighbourhood side, H x W the layer's input map; u the element applied, v an out
 from __future__ import annotations
 
 import copy
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,77 +155,90 @@ def lifting_attention_maps(
     return result
 
 
-def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = "") -> Path:
-    """One row per input (the image, then the turned image): the input with the query and its
-    neighbourhood marked, the query's map for each output element, and (for a model with
-    group layers) the first group layer's weight per output and key element."""
+def attention_figure(result: AttentionMaps, title: str = ""):
+    """The matplotlib figure of :func:`plot_attention_maps`: short titles, axis labels, a
+    legend and colour bars; what it shows is explained in docs/gsa-nets.md (Attention maps).
+
+    Row 1 is the input, row 2 the input turned by u. Columns: the input (query marked), the
+    query's lifting-layer map for each output element (v, then u·v), and, for a model with
+    group layers, the first group layer's weight per output and key element.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
-    path = Path(path)
-
     group = result.group
+    u = None if result.element is None else group.describe(result.element)
     rows = [(result.image, result.pixel, result.maps, "v", result.group_weights)]
-    if result.element is not None:
-        u = group.describe(result.element)
+    if u is not None:
         rows.append((result.moved_image, result.moved_pixel, result.moved_maps, f"{u}·v",
                      result.moved_group_weights))  # fmt: skip
-    n = group.order
-    p = result.patch_size
+    n, p = group.order, result.patch_size
+    moved = "flipped" if u is not None and group.is_reflection(result.element) else "turned"
     columns = n + 1 + (result.group_weights is not None)
-    fig, axes = plt.subplots(len(rows), columns, figsize=(1.5 * columns, 1.9 * len(rows) + 1.2),
-                             squeeze=False)  # fmt: skip
+    size = (1.5 * columns + 1.0, 1.7 * len(rows) + 0.9)
+    fig, axes = plt.subplots(len(rows), columns, figsize=size, squeeze=False, layout="constrained")
     low = float(min(r[2].min() for r in rows))
     top = float(max(r[2].max() for r in rows))
     if result.group_weights is not None:
         g_low = float(min(r[4].min() for r in rows))
         g_top = float(max(r[4].max() for r in rows))
-    for axis_row, (image, pixel, maps, label, weights) in zip(axes, rows, strict=True):
+    for index, (axis_row, (image, pixel, maps, label, weights)) in enumerate(
+        zip(axes, rows, strict=True)
+    ):
         ax = axis_row[0]
         ax.imshow(image.detach().cpu().float().numpy(), cmap="gray")
         if p is not None:  # global attention: no neighbourhood to mark
             ax.add_patch(Rectangle((pixel[1] - p / 2, pixel[0] - p / 2), p, p, fill=False,
                                    edgecolor="tab:red", lw=1))  # fmt: skip
         ax.plot(pixel[1], pixel[0], "+", color="tab:red", ms=6)
-        ax.set_title("input", fontsize=8)
+        ax.set_title("input" if index == 0 else f"{moved} by {u}", fontsize=7)
         for v in range(n):
             ax = axis_row[v + 1]
-            ax.imshow(maps[v].detach().cpu().float().numpy(), cmap="viridis", vmin=low, vmax=top)
-            shown = v if label == "v" else group.multiply(result.element, v)
-            ax.set_title(f"{label} = {group.describe(shown)}", fontsize=6)
+            shown = ax.imshow(maps[v].detach().cpu().float().numpy(), cmap="viridis", vmin=low,
+                              vmax=top)  # fmt: skip
+            element = v if label == "v" else group.multiply(result.element, v)
+            ax.set_title(f"{label} = {group.describe(element)}", fontsize=6)
         for ax in axis_row[: n + 1]:
             ax.set_xticks([])
             ax.set_yticks([])
         if weights is not None:
             ax = axis_row[n + 1]
-            ax.imshow(weights.detach().cpu().float().numpy(), cmap="magma", vmin=g_low,
-                      vmax=g_top)  # fmt: skip
-            ax.set_title(f"group layer: {label} (rows), m", fontsize=6)
+            heat = ax.imshow(weights.detach().cpu().float().numpy(), cmap="magma", vmin=g_low,
+                             vmax=g_top)  # fmt: skip
+            ax.set_title("group layer", fontsize=7)
+            ax.set_xlabel("key element m", fontsize=6)
+            ax.set_ylabel(f"output {label}", fontsize=6)
             ax.set_xticks(range(n), [str(m) for m in range(n)], fontsize=5)
             ax.set_yticks(range(n), [str(m) for m in range(n)], fontsize=5)
-    lines = [f"{group.name} lifting attention of the marked query (mean over heads) for each "
-             f"output element v; colours {low:.3f} to {top:.3f}"]  # fmt: skip
-    if result.element is not None:
-        u = group.describe(result.element)
-        lines.append(f"row 2: the input turned by u = {u}; its map for u·v is row 1's map for v "
-                     f"turned by u (max difference {result.max_difference:.1e})")  # fmt: skip
+    bar = fig.colorbar(shown, ax=axes[:, 1 : n + 1].ravel().tolist(), shrink=0.8)
+    bar.set_label("attention weight", fontsize=6)
+    bar.ax.tick_params(labelsize=5)
     if result.group_weights is not None:
-        line = (
-            "last column: the first group layer's weight on key element m (columns) for "
-            "each output row, its query at the busiest pixel, summed over the neighbourhood "
-            f"(colours {g_low:.3f} to {g_top:.3f})"
-        )
-        if result.element is not None:
-            line += (f"; row 2 is row 1 with its columns moved by u (max difference "
-                     f"{result.group_difference:.1e})")  # fmt: skip
-        lines.append(line)
-    width = max(60, 18 * columns)
-    caption = "\n".join(textwrap.fill(line, width) for line in lines)
-    fig.suptitle(f"{title}\n{caption}" if title else caption, fontsize=8)
-    fig.tight_layout()
+        bar = fig.colorbar(heat, ax=axes[:, n + 1].ravel().tolist(), shrink=0.8)
+        bar.set_label("weight on m", fontsize=6)
+        bar.ax.tick_params(labelsize=5)
+    marks = [Line2D([], [], color="tab:red", marker="+", ls="", label="query")]
+    if p is not None:
+        marks.append(Rectangle((0, 0), 1, 1, fill=False, edgecolor="tab:red",
+                               label=f"{p}×{p} neighbourhood"))  # fmt: skip
+    fig.legend(handles=marks, loc="outside lower left", fontsize=6, frameon=False, ncol=len(marks))
+    heading = f"{group.name} lifting attention per output element v (mean over heads)"
+    if u is not None:
+        heading += f"; rows 1 and 2 agree to {result.max_difference:.1e}"
+    fig.suptitle(f"{title}\n{heading}" if title else heading, fontsize=8)
+    return fig
+
+
+def plot_attention_maps(result: AttentionMaps, path: str | Path, title: str = "") -> Path:
+    """Save :func:`attention_figure` of ``result`` as ``path`` (a PNG)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig = attention_figure(result, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -220,7 +220,7 @@ def rotate_image(f: torch.Tensor, angle: float, reflect: bool = False) -> torch.
     inv = torch.tensor([[c, s], [-s, c]], dtype=f.dtype)  # R(-angle)
     src = coords @ inv.T  # u^-1 x for a rotation
     if reflect:
-        src = src * torch.tensor([1.0, -1.0], dtype=f.dtype)
+        src = src * torch.tensor([-1.0, 1.0], dtype=f.dtype)  # M^-1 = M: x -> -x
     gx = src[..., 0] / ((w - 1) / 2)
     gy = -src[..., 1] / ((h - 1) / 2)
     grid = torch.stack([gx, gy], dim=-1)  # (H, W, 2) in grid_sample's (x, y-down) convention

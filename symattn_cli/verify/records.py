@@ -28,7 +28,7 @@ class Check:
     family: str  # gsa | attention | knowledge | checkpoint
     symmetry: str  # e.g. "r8", "translation", "O(d)", "permutation XP"
     layer: str  # lifting | group-sum | group-single | block | model | ...
-    element: str  # group element or transformation, e.g. "rot 90°", "mirror·rot 45°"
+    element: str  # group element or transformation, e.g. "rot90", "rot45*mirror"
     abs_err: float
     rel_err: float
     expect: str = "exact"

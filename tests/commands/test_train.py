@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +16,14 @@ from pathlib import Path
 import h5py
 import pytest
 
-from symattn_cli.train.runfile import read_metrics, read_status, read_summary
-from tests.helpers import TINY_TRAIN, read_wandb_file, run_symattn, symattn_env
+from symattn_cli.train.runfile import (
+    check_run_file,
+    read_metrics,
+    read_state,
+    read_status,
+    read_summary,
+)
+from tests.helpers import TINY_TRAIN, CodePayload, read_wandb_file, run_symattn, symattn_env
 
 
 def only_run_file(root: Path) -> Path:
@@ -79,6 +89,59 @@ def test_foreign_resume_file_is_clear(workdir):
     result = run_symattn("train", f"resume={foreign}", cwd=workdir)
     assert result.returncode == 2
     assert "not a symattn run file" in result.stderr and "Traceback" not in result.stderr
+
+
+def _plant_state(path: Path, payload: bytes) -> None:
+    """Put ``payload`` into the run file's state slot 0 and make it current, as someone who
+    edits a shared run file could."""
+    with h5py.File(path, "r+", libver="latest") as h5:
+        blob = h5["state/blob0"]
+        blob.resize((len(payload),))
+        blob[:] = list(payload)
+        h5["state/size0"][()] = len(payload)
+        h5["state/current"][()] = 0
+
+
+def _torch_save(value) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+def test_resume_never_runs_code_from_the_run_file(workdir):
+    """A run file's state is data: a pickle payload planted in it (raw, or inside a torch.save
+    archive as format 1 stored states) is refused with one line, exit 2, and nothing of it
+    runs; the file stays as it was. A format 1 state without a payload gets the same refusal,
+    naming the format."""
+    trained = run_symattn("train", *TINY_TRAIN, "trainer.epochs=1",
+                          "trainer.max_steps_per_epoch=2", cwd=workdir)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    genuine = only_run_file(workdir / "outputs")
+    assert read_state(genuine)["epoch"] == 1  # the state this version writes reads back
+    marker = workdir / "payload-ran"
+    planted = {
+        "pickle": (pickle.dumps({"epoch": CodePayload(marker)}), "not one symattn wrote"),
+        "torch.save": (_torch_save({"epoch": CodePayload(marker)}), "format 1"),
+        "format 1": (_torch_save({"epoch": 1, "step": 2}), "format 1"),
+    }
+    for name, (payload, reason) in planted.items():
+        run = workdir / name.replace(" ", "_") / "run.h5"
+        run.parent.mkdir()
+        shutil.copy(genuine, run)
+        _plant_state(run, payload)
+        before = hashlib.sha256(run.read_bytes()).hexdigest()
+        result = run_symattn("train", f"resume={run.parent}", cwd=workdir)
+        assert result.returncode == 2, (name, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("symattn: error:"), (name, lines)
+        assert str(run) in lines[0] and reason in lines[0] and "resume=" in lines[0], lines
+        assert not marker.exists(), f"the {name} payload ran"
+        assert hashlib.sha256(run.read_bytes()).hexdigest() == before  # not touched
+        check_run_file(run)
+        assert read_status(run) == "finished" and read_metrics(run)["epoch"].tolist() == [1.0]
 
 
 def test_diverged_run_says_what_to_change_and_keeps_its_file(workdir):

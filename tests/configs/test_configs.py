@@ -31,6 +31,19 @@ def test_unknown_name_lists_options(workdir):
     assert result.returncode != 0
     assert "Could not find 'model/nope'" in result.stderr
     assert "cnn" in result.stderr  # Hydra lists the available options
+    assert "_schema" not in result.stderr  # internal schemas are not options
+
+
+@pytest.mark.parametrize("group", ["model", "data", "trainer", "logger"])
+def test_schemas_are_not_offered_as_options(group, workdir):
+    """A wrong name lists the group's YAML options only, and so does ``--help``."""
+    result = run_symattn("train", f"{group}=nope", cwd=workdir)
+    assert result.returncode != 0 and f"Could not find '{group}/nope'" in result.stderr
+    offered = result.stderr.split("Available options")[1].split("Config search path")[0]
+    assert set(offered.split()[2:]) == set(list_group_options(group))  # after "in '<group>':"
+    helped = run_symattn("train", "--help", cwd=workdir)
+    groups = helped.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "_schema" not in groups
 
 
 def test_wrong_type_is_one_line_error(workdir):

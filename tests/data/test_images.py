@@ -11,6 +11,7 @@ import torch
 from symattn_cli.data.base import DataError
 from symattn_cli.data.image_common import rotate
 from symattn_cli.data.registry import build_data
+from tests.helpers import CodePayload, run_symattn
 
 
 def split_tensors(dataset):
@@ -404,6 +405,31 @@ def test_cifar10_md5_checked_when_asked(tmp_path):
     write_cifar(tmp_path)
     with pytest.raises(DataError, match=r"data_batch_1 has md5 .*expected .*verify_md5=false"):
         build_data({"name": "cifar10", "variant": "plain", "download": False}, tmp_path)
+
+
+def test_cifar10_batch_with_a_payload_is_refused_and_runs_nothing(tmp_path):
+    """A crafted batch in data/: the reader admits only the types a batch holds, so the
+    payload's callable is refused by name before it can run; through the CLI, one line and
+    exit 2."""
+    import pickle
+
+    write_cifar(tmp_path)
+    marker = tmp_path / "payload-ran"
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({"data": CodePayload(marker), "labels": [0]}, protocol=2))
+    options = {"name": "cifar10", "variant": "plain", "download": False, "verify_md5": False}
+    with pytest.raises(DataError, match=r"data_batch_1 is not a CIFAR-10 .*refers to \w+\.exec,"):
+        build_data(options, tmp_path)
+    assert not marker.exists()
+    result = run_symattn(
+        "train", "data=cifar10", "data.download=false", "data.verify_md5=false",
+        f"data_root={tmp_path}", "model=cnn", "logger.mode=disabled", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("symattn: error:"), lines
+    assert str(batch) in lines[0] and ".exec, which no CIFAR-10 batch holds" in lines[0]
+    assert not marker.exists()
 
 
 def test_cifar10_missing_offline_and_download_failure(tmp_path):

@@ -107,6 +107,24 @@ def test_grid_and_group_function_actions_are_homomorphisms(group):
             assert torch.equal(lhs, group.act_on_group_function(ab, f))
 
 
+@pytest.mark.parametrize("name", ["mirror", "z4m", "r8m"])
+def test_the_mirror_is_the_left_right_flip(name):
+    """M = R^0 M^1 (index n) maps (x, y) to (-x, y): on a grid it reverses the columns, the
+    horizontal flip of data augmentation, not the rows (which would turn images upside down)."""
+    group = get_group(name)
+    m = group.rotations  # index of R^0 M
+    assert group.is_reflection(m) and group.describe(m) == "rot0*mirror"
+    assert torch.equal(group.matrix(m), torch.tensor([[-1.0, 0.0], [0.0, 1.0]]).double())
+    point = torch.tensor([[2.0, 3.0]], dtype=torch.float64)
+    assert group.act_on_coordinates(m, point).tolist() == [[-2.0, 3.0]]
+    f = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    assert torch.equal(group.act_on_grid(m, f), f.flip(-1))
+    assert torch.equal(group.act_on_image(m, f), f.flip(-1))
+    if group.rotations % 4 == 0:  # the up-down flip is M turned by 180 degrees: R^(n/2) M
+        updown = group.compose_index(group.rotations // 2, 1)
+        assert torch.equal(group.act_on_grid(updown, f), f.flip(-2))
+
+
 def test_off_grid_action_is_a_clear_error():
     r8 = get_group("r8")
     with pytest.raises(GridActionError, match="45"):

@@ -44,6 +44,23 @@ def test_network_logits_are_invariant(group, size):
     assert max(r["max_rel"] for r in records) <= 1e-10
 
 
+def test_mirror_net_is_invariant_to_left_right_not_up_down_flips():
+    """z2m_sa (the CIFAR-10 preset's model) at its 28x28 rotMNIST size, float64: flipping the
+    image left-right (x -> -x, as augmentation does) leaves the logits unchanged; flipping it
+    upside down is not a symmetry of the net (negative control)."""
+    torch.manual_seed(0)
+    model = randomize_encodings(symattn_cli.create_model("z2m_sa")).double().eval()
+    x = torch.rand(2, 1, 28, 28, dtype=torch.float64)
+    with torch.no_grad():
+        reference = model(x)
+
+        def change(moved):
+            return ((model(moved) - reference).abs().max() / reference.abs().max()).item()
+
+        assert change(x.flip(-1)) <= 1e-10
+        assert change(x.flip(-2)) > 1e-4
+
+
 def _z4m_logit_error(arch: str, size: int, **options) -> float:
     """Largest relative change of the logits over every element of z4m, float64, with the
     architecture of ``arch`` at a small width (the maps' sizes are the preset's)."""

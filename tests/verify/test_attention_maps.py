@@ -9,6 +9,7 @@ from matplotlib.image import imread
 import symattn_cli
 from symattn_cli.groups import get_group
 from symattn_cli.verify.attention_maps import (
+    attention_figure,
     lifting_attention_maps,
     plot_attention_maps,
     turning_element,
@@ -66,3 +67,29 @@ def test_global_attention_maps_cover_the_image_and_turn(tmp_path):
     assert maps.patch_size is None and maps.maps.shape == (4, 6, 6)
     assert maps.max_difference <= 1e-12
     plot_attention_maps(maps, tmp_path / "attention.png")
+
+
+@pytest.mark.parametrize("group", ["z4", "mirror"])
+def test_figure_says_it_with_titles_labels_and_a_legend(group):
+    """No paragraph above the panels: a two-line title, short panel titles, labelled axes and
+    colour bars, a legend for the marks; the explanation lives in docs/gsa-nets.md."""
+    import matplotlib.pyplot as plt
+
+    torch.manual_seed(0)
+    model = symattn_cli.create_model("gsa_mini", group=group, channels=8, heads=2)
+    model = randomize_encodings(model).double().eval()
+    image = torch.zeros(1, 1, 28, 28, dtype=torch.float64)
+    image[..., 6:20, 9:13] = torch.rand(14, 4, dtype=torch.float64)
+    fig = attention_figure(lifting_attention_maps(model, image), title="GSANet on digits: run")
+    try:
+        heading = fig.get_suptitle().splitlines()
+        assert len(heading) == 2 and all(len(line) <= 100 for line in heading), heading
+        assert all(len(ax.get_title()) <= 40 for ax in fig.axes)
+        labels = {ax.get_xlabel() for ax in fig.axes} | {ax.get_ylabel() for ax in fig.axes}
+        assert {"key element m", "attention weight", "weight on m", "output v"} <= labels
+        (legend,) = fig.legends
+        assert [text.get_text() for text in legend.get_texts()] == ["query", "3×3 neighbourhood"]
+        moved = "flipped by rot0*mirror" if group == "mirror" else "turned by rot90"
+        assert moved in [ax.get_title() for ax in fig.axes]
+    finally:
+        plt.close(fig)

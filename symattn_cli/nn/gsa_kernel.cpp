@@ -143,9 +143,10 @@ struct Tile {
   int64_t z = 0, n = 0;  // batch-head, lanes holding a query (the rest repeat the last)
   int64_t i[T];          // query of each lane
   Tensor memory;         // 64-byte aligned; the arrays below point into it
-  // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d);
-  // beta (rows, J, G); r (e)
-  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r;
+  // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
+  // and the output rows (V, d) after it;
+  // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep
+  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G)
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl;
@@ -153,11 +154,11 @@ struct Tile {
   Tile(const Problem<S>& p, bool backward) {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward;
     const int64_t sizes[] = {G * d, J * M * d, J * M * d, M * G, J * M * G,
-                             p.threshold ? J * M * G : 0, J * G, J * G, J * G * d,
-                             p.rows() * J * G, std::max<int64_t>(p.e, 1),
+                             p.threshold ? J * M * G : 0, J * G, J * G, (J * G + p.V) * d,
+                             p.rows() * J * G, std::max<int64_t>(p.e, 1), M * G,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * J * M * d, b * J * M * d, b * J * M * G, b * M * G};
-    V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r,
+    V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk,
                     &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
@@ -242,6 +243,14 @@ struct Tile {
     }
   }
 
+  // pi keep (M, G) of neighbour j: pi itself without dropout, else a product in pk.
+  const V* kept(const Problem<S>& p, int64_t j) {
+    const int64_t MG = p.M * p.G;
+    if (!p.threshold) return pi + j * MG;
+    for (int64_t mg = 0; mg < MG; ++mg) pk[mg] = pi[j * MG + mg] * keep[j * MG + mg];
+    return pk;
+  }
+
   // r (e) <- rho[row, off(i, j)] for every lane (one offset for all lanes when local).
   void gather_rho(const Problem<S>& p, int64_t row, int64_t j) {
     if (!p.offsets) {
@@ -264,6 +273,48 @@ struct Tile {
   }
 };
 
+// out[a, b] = sum_k x[a, k] y[b, k] (+= with accumulate) for lane vectors, each operand given
+// by its base and strides. Four b at a time: four independent sums share each load of x,
+// instead of one chain of dependent multiply-adds.
+template <typename V>
+struct Operand {
+  const V* at;
+  int64_t outer, inner;  // strides of its free index and of k
+};
+template <typename V>
+void contract(V* out, int64_t out_a, int64_t out_b, Operand<V> x, Operand<V> y, int64_t na,
+              int64_t nb, int64_t nk, bool accumulate) {
+  for (int64_t a = 0; a < na; ++a) {
+    const V* xa = x.at + a * x.outer;
+    V* oa = out + a * out_a;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+      const V* yb = y.at + b * y.outer;
+      V s0{}, s1{}, s2{}, s3{};
+      for (int64_t k = 0; k < nk; ++k) {
+        const V xk = xa[k * x.inner];
+        const V* yk = yb + k * y.inner;
+        s0 += xk * yk[0];
+        s1 += xk * yk[y.outer];
+        s2 += xk * yk[2 * y.outer];
+        s3 += xk * yk[3 * y.outer];
+      }
+      V* o = oa + b * out_b;
+      if (accumulate) {
+        o[0] += s0, o[out_b] += s1, o[2 * out_b] += s2, o[3 * out_b] += s3;
+      } else {
+        o[0] = s0, o[out_b] = s1, o[2 * out_b] = s2, o[3 * out_b] = s3;
+      }
+    }
+    for (; b < nb; ++b) {
+      const V* yb = y.at + b * y.outer;
+      V s{};
+      for (int64_t k = 0; k < nk; ++k) s += xa[k * x.inner] * yb[k * y.inner];
+      oa[b * out_b] = accumulate ? oa[b * out_b] + s : s;
+    }
+  }
+}
+
 // pi, keep, mx, sm, W and beta of a loaded tile.
 template <typename S>
 void forward_tile(const Problem<S>& p, Tile<S>& tl) {
@@ -273,12 +324,9 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
   for (int64_t j = 0; j < J; ++j) {
     V* pj = tl.pi + j * M * G;  // (M, G): logits, then pi
     const V* kj = tl.kg + j * M * d;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        V acc = p.gl ? tl.gl[m * G + g] : V{};
-        for (int64_t c = 0; c < d; ++c) acc += kj[m * d + c] * tl.q[g * d + c];
-        pj[m * G + g] = acc;
-      }
+    // c[m, g] = gl[m, g] + k[j, m] . q[g]
+    if (p.gl) std::copy(tl.gl, tl.gl + M * G, pj);
+    contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.gl);
     for (int64_t g = 0; g < G; ++g) {  // softmax over m
       V top = pj[g];
       for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
@@ -296,14 +344,9 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
         for (int64_t mg = 0; mg < M * G; ++mg) kp[mg][t] = p.keep(flat + mg);
       }
     }
-    const V* vj = tl.vg + j * M * d;
-    for (int64_t g = 0; g < G; ++g)  // W[j, g] = sum_m pi keep v[j, m]
-      for (int64_t c = 0; c < d; ++c) {
-        V acc{};
-        for (int64_t m = 0; m < M; ++m)
-          acc += (kp ? pj[m * G + g] * kp[m * G + g] : pj[m * G + g]) * vj[m * d + c];
-        tl.w[(j * G + g) * d + c] = acc;
-      }
+    // W[j, g] = sum_m pi keep[j, m, g] v[j, m]
+    contract<V>(tl.w + j * G * d, d, 1, {tl.kept(p, j), 1, G}, {tl.vg + j * M * d, 1, d}, G, d, M,
+                false);
   }
   // outer logits u (rows, J, G), then beta = softmax_j(u + log sm)
   const S inf = std::numeric_limits<S>::infinity();
@@ -336,24 +379,24 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
 
 // out (Z, d, V, L) at the tile's queries.
 template <typename S>
-void output_tile(const Problem<S>& p, const Tile<S>& tl, S* out) {
+void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
   using V = typename Tile<S>::V;
   const int64_t G = p.G, J = p.J, d = p.d;
   const int64_t rows = p.single ? G : p.K;  // distinct output rows
+  V* o = tl.w + J * G * d;  // (rows, d), in the workspace after W
+  if (p.single) {  // out[g] = sum_j beta[j, g] W[j, g]
+    for (int64_t g = 0; g < G; ++g)
+      contract<V>(o + g * d, 0, 1, {tl.beta + g, 0, G}, {tl.w + g * d, 1, G * d}, 1, d, J, false);
+  } else {  // out[k] = sum_(j,g) beta[k, j, g] W[j, g]
+    contract<V>(o, d, 1, {tl.beta, J * G, 1}, {tl.w, 1, d}, rows, d, J * G, false);
+  }
   for (int64_t k = 0; k < rows; ++k)
     for (int64_t c = 0; c < d; ++c) {
-      V acc{};
-      for (int64_t j = 0; j < J; ++j)
-        if (p.single) {  // v = g = k
-          acc += tl.beta[j * G + k] * tl.w[(j * G + k) * d + c];
-        } else {
-          for (int64_t g = 0; g < G; ++g)
-            acc += tl.beta[(k * J + j) * G + g] * tl.w[(j * G + g) * d + c];
-        }
       if (rows == p.V) {
-        tl.store_row(out + ((tl.z * d + c) * p.V + k) * p.L, acc);
+        tl.store_row(out + ((tl.z * d + c) * p.V + k) * p.L, o[k * d + c]);
       } else {  // no spatial term: every v has the same weights
-        for (int64_t v = 0; v < p.V; ++v) tl.store_row(out + ((tl.z * d + c) * p.V + v) * p.L, acc);
+        for (int64_t v = 0; v < p.V; ++v)
+          tl.store_row(out + ((tl.z * d + c) * p.V + v) * p.L, o[k * d + c]);
       }
     }
 }
@@ -383,28 +426,18 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     for (int64_t v = 1; v < p.V; ++v)
       for (int64_t c = 0; c < d; ++c) tl.go[c] += tl.go[v * d + c];
   }
-  // dbeta (into dt), then dW; sums in registers
-  for (int64_t k = 0; k < rows; ++k)
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const V* gk = tl.go + (p.single ? g : k) * d;
-        const V* wg = tl.w + (j * G + g) * d;
-        V acc{};
-        for (int64_t c = 0; c < d; ++c) acc += gk[c] * wg[c];
-        tl.dt[(k * J + j) * G + g] = acc;
-      }
-  for (int64_t j = 0; j < J; ++j)
+  // dbeta (into dt) and dW
+  if (p.single) {  // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < d; ++c) {
-        V acc{};
-        if (p.single) {
-          acc = tl.beta[j * G + g] * tl.go[g * d + c];
-        } else {
-          for (int64_t k = 0; k < rows; ++k)
-            acc += tl.beta[(k * J + j) * G + g] * tl.go[k * d + c];
-        }
-        tl.dw[(j * G + g) * d + c] = acc;
-      }
+      contract<V>(tl.dt + g, 0, G, {tl.go + g * d, 0, 1}, {tl.w + g * d, G * d, 1}, 1, J, d, false);
+    for (int64_t j = 0; j < J; ++j)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < d; ++c)
+          tl.dw[(j * G + g) * d + c] = tl.beta[j * G + g] * tl.go[g * d + c];
+  } else {  // dbeta[k, j, g] = go[k] . W[j, g];  dW[j, g] = sum_k beta[k, j, g] go[k]
+    contract<V>(tl.dt, J * G, 1, {tl.go, d, 1}, {tl.w, d, 1}, rows, J * G, d, false);
+    contract<V>(tl.dw, d, 1, {tl.beta, 1, J * G}, {tl.go, 1, d}, J * G, d, rows, false);
+  }
   // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
   std::fill(tl.dlse, tl.dlse + J * G, V{});
   for (int64_t k = 0; k < rows; ++k)
@@ -443,23 +476,13 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   if (gr.dgl) std::fill(tl.dgl, tl.dgl + M * G, V{});
   for (int64_t j = 0; j < J; ++j) {
     const V* pj = tl.pi + j * M * G;
-    const V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
     const V* dwj = tl.dw + j * G * d;
     V* dc = tl.dc + j * M * G;
-    for (int64_t m = 0; m < M; ++m) {
-      const V* vm = tl.vg + (j * M + m) * d;
-      for (int64_t g = 0; g < G; ++g) {  // dpi, into dc
-        V acc{};
-        for (int64_t c = 0; c < d; ++c) acc += vm[c] * dwj[g * d + c];
-        dc[m * G + g] = kp ? acc * kp[m * G + g] : acc;
-      }
-      for (int64_t c = 0; c < d; ++c) {  // dv
-        V acc{};
-        for (int64_t g = 0; g < G; ++g)
-          acc += (kp ? pj[m * G + g] * kp[m * G + g] : pj[m * G + g]) * dwj[g * d + c];
-        tl.dvg[(j * M + m) * d + c] = acc;
-      }
-    }
+    // dpi[m, g] = keep (v[j, m] . dW[j, g]), into dc;  dv[j, m] = sum_g pi keep dW[j, g]
+    contract<V>(dc, G, 1, {tl.vg + j * M * d, d, 1}, {dwj, d, 1}, M, G, d, false);
+    if (p.threshold)
+      for (int64_t mg = 0; mg < M * G; ++mg) dc[mg] *= tl.keep[j * M * G + mg];
+    contract<V>(tl.dvg + j * M * d, d, 1, {tl.kept(p, j), G, 1}, {dwj, 1, d}, M, d, G, false);
     for (int64_t g = 0; g < G; ++g) {  // dc = pi (dpi - sum_m pi dpi + dlse)
       V acc = -tl.dlse[j * G + g];
       for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * dc[m * G + g];
@@ -467,19 +490,12 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     }
     if (gr.dgl)
       for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += dc[mg];
-    for (int64_t m = 0; m < M; ++m)  // dk
-      for (int64_t c = 0; c < d; ++c) {
-        V acc{};
-        for (int64_t g = 0; g < G; ++g) acc += dc[m * G + g] * tl.q[g * d + c];
-        tl.dkg[(j * M + m) * d + c] = acc;
-      }
+    // dk[j, m] = sum_g dc[m, g] q[g]
+    contract<V>(tl.dkg + j * M * d, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
   }
-  for (int64_t g = 0; g < G; ++g)  // dq[g] += sum_(j,m) dc[j,m,g] k[j,m]
-    for (int64_t c = 0; c < d; ++c) {
-      V acc = tl.dq[g * d + c];
-      for (int64_t jm = 0; jm < J * M; ++jm) acc += tl.dc[jm * G + g] * tl.kg[jm * d + c];
-      tl.dq[g * d + c] = acc;
-    }
+  // dq[g] += sum_(j,m) dc[j, m, g] k[j, m]
+  contract<V>(tl.dq, d, 1, {tl.dc, 1, G}, {tl.kg, 1, d}, G, d, J * M, true);
+
   // scatter to the tile's queries and their neighbours
   for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
   if (gr.dgl)

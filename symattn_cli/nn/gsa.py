@@ -293,7 +293,7 @@ class GroupSelfAttention(nn.Module):
 
         Keys and values are flattened to ``(Z, H*W, M, d)``; the neighbour at offset (dy, dx)
         of output pixel (y, x) is pixel (y + dy, x + dx). Neighbours outside the image are
-        masked out (their index is clamped to a pixel inside, whose key then takes no weight
+        masked out (their flat index is clamped into the map, whose key then takes no weight
         and gets no gradient); queries exist only for the output pixels.
         """
         b, _, m, height, width = x.shape
@@ -336,12 +336,14 @@ class GroupSelfAttention(nn.Module):
 
 def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int, width: int):
     """The P x P neighbourhoods whose top-left pixels are (tops[a], lefts[b]) on a height x
-    width map, a-major: flat pixel indices ``(A B, P P)``, clamped into the map (a neighbour
-    outside gets a pixel inside, to be masked), and which neighbours lie inside ``(A B, P P)``."""
+    width map, a-major: flat pixel indices ``(A B, P P)``, and which neighbours lie inside
+    ``(A B, P P)``. A neighbour outside (masked out) keeps its flat index row * width +
+    column, clamped into [0, height * width): left and right of the image that is a pixel of
+    the row above or below, so that consecutive queries keep consecutive neighbours."""
     offsets = torch.arange(p, device=tops.device)
     rows = tops[:, None, None, None] + offsets[None, None, :, None]  # (A, 1, P, 1)
     cols = lefts[None, :, None, None] + offsets[None, None, None, :]  # (1, B, 1, P)
-    index = rows.clamp(0, height - 1) * width + cols.clamp(0, width - 1)  # (A, B, P, P)
+    index = (rows * width + cols).clamp(0, height * width - 1)  # (A, B, P, P)
     inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)  # (A, B, P, P)
     return index.reshape(-1, p * p), inside.reshape(-1, p * p)
 

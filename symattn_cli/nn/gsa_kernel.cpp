@@ -132,6 +132,10 @@ struct Problem {
   int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
   bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
   int64_t rows() const { return single ? 1 : K; }  // rows of the outer softmax per tile
+  // Whether the spatial term is one table for every query and every g (local, sum form).
+  bool spatial_table() const { return e && !offsets && !single; }
+  // Entry a of a local (V, J, e) table within rho (V, D, e).
+  int64_t local_row(int64_t a) const { return (a / (J * e)) * D * e + a % (J * e); }
 };
 
 // A tile of T queries of one batch-head and its workspace: arrays of lane vectors, one lane
@@ -145,8 +149,9 @@ struct Tile {
   Tensor memory;         // 64-byte aligned; the arrays below point into it
   // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
   // and the output rows (V, d) after it;
-  // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep
-  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk;
+  // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep; rho_local (V, J, e): a
+  // local sum-form layer's table, broadcast to every lane
+  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G)
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl;
@@ -156,9 +161,10 @@ struct Tile {
     const int64_t sizes[] = {G * d, J * M * d, J * M * d, M * G, J * M * G,
                              p.threshold ? J * M * G : 0, J * G, J * G, (J * G + p.V) * d,
                              p.rows() * J * G, std::max<int64_t>(p.e, 1), M * G,
+                             p.spatial_table() ? p.V * J * p.e : 0,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * J * M * d, b * J * M * d, b * J * M * G, b * M * G};
-    V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk,
+    V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
                     &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
@@ -168,6 +174,8 @@ struct Tile {
       *arrays[a] = base;
       base += sizes[a];
     }
+    if (p.spatial_table())
+      for (int64_t a = 0; a < p.V * J * p.e; ++a) rho_local[a] = V{} + p.rho[p.local_row(a)];
   }
 
   // How the lanes' neighbours j lie in the key axis: at consecutive points (a local tile
@@ -352,9 +360,15 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
   const S inf = std::numeric_limits<S>::infinity();
   for (int64_t k = 0; k < p.rows(); ++k) {
     V* bk = tl.beta + k * J * G;
+    if (p.spatial_table())  // u[k, j, g] = rho[k, j] . q[g, :e], then mx and outside added
+      contract<V>(bk, G, 1, {tl.rho_local + k * J * e, e, 1}, {tl.q, d, 1}, J, G, e, false);
     for (int64_t j = 0; j < J; ++j) {
       V outside{};
       for (int64_t t = 0; t < T; ++t) outside[t] = p.inside(tl.i[t], j) ? S(0) : -inf;
+      if (p.spatial_table()) {
+        for (int64_t g = 0; g < G; ++g) bk[j * G + g] += tl.mx[j * G + g] + outside;
+        continue;
+      }
       if (e && !p.single) tl.gather_rho(p, k, j);
       for (int64_t g = 0; g < G; ++g) {
         V acc = tl.mx[j * G + g] + outside;
@@ -453,7 +467,10 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     }
   // the spatial term: dq[g, :e] = sum_(k,j) dt[k,j,g] rho[k or g, off]; d rho
   std::fill(tl.dq, tl.dq + G * d, V{});
-  if (e) {
+  if (p.spatial_table()) {  // one table: two contractions over (k, j) and g
+    contract<V>(tl.dq, d, 1, {tl.dt, 1, G}, {tl.rho_local, 1, e}, G, e, rows * J, true);
+    contract<V>(drho_local, e, 1, {tl.dt, G, 1}, {tl.q, 1, d}, rows * J, e, G, true);
+  } else if (e) {
     for (int64_t k = 0; k < rows; ++k)
       for (int64_t j = 0; j < J; ++j)
         for (int64_t g = 0; g < G; ++g) {
@@ -623,7 +640,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
       S* drho = rho ? drho_parts.data_ptr<S>() + at::get_thread_num() * rho_size : nullptr;
       const Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>(), dv.data_ptr<S>(),
                         gl ? dgl.data_ptr<S>() : nullptr, drho};
-      std::vector<V> drho_local(rho && !offsets ? rho_size : 0);  // zeros
+      std::vector<V> drho_local(rho && !offsets ? p.V * p.J * p.e : 0);  // zeros
       for (int64_t z = begin; z < end; ++z)
         for (int64_t i0 = 0; i0 < p.L; i0 += T) {
           tl.load(p, z, i0);
@@ -631,7 +648,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
           backward_tile(p, tl, go, gr, drho_local.data());
         }
       for (size_t a = 0; a < drho_local.size(); ++a)
-        for (int64_t t = 0; t < T; ++t) drho[a] += drho_local[a][t];
+        for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];
     });
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();

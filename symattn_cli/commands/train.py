@@ -93,6 +93,7 @@ def train(cfg: Any) -> dict[str, float]:
         model = build_model(model_options, data.spec)
     except ValueError as err:  # constructors validate their keyword arguments
         raise ConfigError(f"model: {err}") from None
+    device = resolve_device(settings.device)
     names = metric_names(data.spec.task, data.extra_tests)
 
     if resume_path is not None:

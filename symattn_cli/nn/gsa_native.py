@@ -132,8 +132,8 @@ def _build() -> ModuleType | None:
         warnings.warn(
             f"symattn: the C++ attention kernel could not be built ({type(error).__name__}: "
             f"{reason}); the attention runs its plain PyTorch backend, which gives the same "
-            "values more slowly. Install a C++ compiler and `pip install ninja` to build it, or set "
-            f"{ENV}=0 to silence this.",
+            "values more slowly. Install a C++ compiler and `pip install ninja` to build it, or "
+            f"set {ENV}=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -35,6 +35,9 @@ and the backward redraws it instead of storing it.
 Backends, chosen by :func:`factorised_attention` (``backend="auto"``):
   ``"cpp"``    the fused CPU kernel (``gsa_kernel.cpp``): per query, logits, both softmaxes
                and the value sums in cache; a hand-written backward that recomputes them.
+  ``"triton"`` the fused GPU kernel (``gsa_triton_kernel.py``): one program per query, the
+               same equations as the CPU kernel, its backward recomputing them; CUDA tensors
+               (CPU tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
   ``"torch"``  this file's plain PyTorch version of the same algorithm over chunks of queries,
                each recomputed in the backward (activation checkpointing): any device.
 :func:`dense_attention` is the reference algorithm (full logits, autograd), the test oracle
@@ -49,7 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 FORMS = ("sum", "single")
-BACKENDS = ("auto", "cpp", "torch")
+BACKENDS = ("auto", "cpp", "triton", "torch")
 DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
 
 _MASK32 = 0xFFFFFFFF
@@ -109,7 +112,7 @@ def _spatial_table(rho: torch.Tensor, offsets: torch.Tensor | None, rows: slice,
 def _torch_chunk(q, k, v, gl, rho, offsets, neighbour, valid, keep, rows, form, n):
     """The factorised algorithm for queries ``rows``, in plain PyTorch: ``(Z, Lc, V, d)``."""
     z, lc, g, d = q.shape
-    m, j = k.shape[2], neighbour.shape[1]
+    j = neighbour.shape[1]
     nb = neighbour[rows]  # (Lc, J)
     k_nb, v_nb = k[:, nb], v[:, nb]  # (Z, Lc, J, M, d)
     c = torch.einsum("zlgc,zljmc->zljmg", q, k_nb)  # (Z, Lc, J, M, G)
@@ -180,14 +183,17 @@ def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def backend_for(device, dtype=torch.float32, backend: str = "auto") -> str:
     """The backend a call on ``device`` with ``dtype`` runs: ``backend`` itself, or for
-    ``"auto"`` the fused CPU kernel where it applies and is built, else ``"torch"``."""
+    ``"auto"`` the Triton kernel on CUDA when Triton is installed, the fused CPU kernel where it
+    applies and is built, else ``"torch"``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
-    from symattn_cli.nn import gsa_native
+    from symattn_cli.nn import gsa_native, gsa_triton
 
     device = torch.device(device)
+    if device.type == "cuda" and gsa_triton.available():
+        return "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and gsa_native.load():
         return "cpp"
     return "torch"
@@ -231,6 +237,10 @@ def factorised_attention(
         from symattn_cli.nn.gsa_native import fused_attention
 
         out = fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed)
+    elif which == "triton":
+        from symattn_cli.nn.gsa_triton import triton_attention
+
+        out = triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed)
     else:
         out = _torch_attention(
             q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed, max(int(chunk), 1),

@@ -212,7 +212,7 @@ def factorised_attention(
     into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the attention-dropout
     rate (a multiple of 2^-15 after rounding; the output is rescaled by 1 / (1 - drop));
     ``chunk`` queries per chunk of the torch backend, and ``recompute`` whether it recomputes
-    them in the backward (the fused kernel always does); ``backend`` one of :data:`BACKENDS`.
+    them in the backward (the fused kernels always do); ``backend`` one of :data:`BACKENDS`.
 
     Under autocast (mixed precision) the core runs in float32, forward and backward. The output
     is float32; the maps around it keep autocast.

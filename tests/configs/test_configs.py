@@ -54,7 +54,7 @@ def test_cfg_job_prints_composed_config(workdir):
     assert cfg.seed == 3 and cfg.logger.mode == "offline"  # W&B default: no account needed
     # the default run: the CPU-sized R4 GSA-Net on the bundled digits, every core
     assert (cfg.model.family, cfg.model.group, cfg.model.heads) == ("gsa", "r4", 4)
-    assert cfg.model.norm == "batch" and cfg.model.attention_threads == 0
+    assert cfg.model.norm == "batch" and cfg.model.attention_backend == "auto"
     assert cfg.data.name == "rotmnist_mini" and cfg.data.augment  # fresh angles per draw
     assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (0, 16, 1e-2)
 

@@ -22,10 +22,11 @@ import torch
 from symattn_cli.nn import gsa_core
 
 ENV = "TRITON_INTERPRET"
-# Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: for r8
-# (BM = BG = BT = 8) 16 neighbours a block, about 170 registers a thread and no spills when
-# compiled for sm_90. Not tuned by measurements on a GPU.
-BLOCK_ELEMENTS = 2048
+# Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers. For
+# r8 (BM = BG = BT = 8): 16 neighbours a block; compiled for sm_90 the sum form's backward takes
+# 168 registers a thread, no spills (twice the block: 255, the most a thread has). Not tuned by
+# measurements on a GPU.
+BLOCK_ELEMENTS = 1024
 NUM_WARPS = 4
 
 _MASK32 = 0xFFFFFFFF

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config) -> None:
+    """Without a GPU, Triton kernels run in Triton's interpreter, on CPU tensors. Triton reads
+    the switch once, as it is imported: before any test imports it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -68,6 +68,8 @@ class Case:
     tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
     ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
+    GSA layers and nets run their attention core on ``attention_backend`` (``auto``: the
+    device's default; see :data:`symattn_cli.nn.gsa_core.BACKENDS`).
     """
 
     kind: str = "layer"
@@ -81,6 +83,7 @@ class Case:
     channels: int = 20
     heads: int = 9
     group_index: str = "relative"  # GSA layers: relative | shifted (the reference's algorithm)
+    attention_backend: str = "auto"  # GSA layers and nets: the attention core's backend
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,15 +98,21 @@ class Case:
         return self.query_form if self.name == "gsa" else "group"
 
     @property
+    def attends(self) -> bool:
+        """Whether the case has GSA attention (a GSA layer or net)."""
+        return self.name == "gsa" if self.kind == "layer" else self.name.endswith("_sa")
+
+    @property
     def label(self) -> str:
         size = f"{self.image_size}px b{self.batch}"
         patch = "global" if self.patch_size == 0 else f"P{self.patch_size}"
+        backend = f" {self.attention_backend}" if self.attention_backend != "auto" else ""
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
-            if self.name.endswith("_sa"):  # GSA-Nets: their form and neighbourhood matter
+            if self.attends:  # GSA-Nets: their form and neighbourhood matter
                 extra = f" {self.query_form} {patch}{extra}"
-            return f"{self.name}{extra} {size}"
-        return f"{self.name} {self.group} {self.form} {patch} {size}"
+            return f"{self.name}{extra}{backend} {size}"
+        return f"{self.name} {self.group} {self.form} {patch}{backend} {size}"
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -155,6 +164,7 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
             group=group, in_channels=c, out_channels=c, heads=case.heads,
             patch_size=case.patch_size or None, lifting=case.lifting,
             query_form=case.query_form, attention_dropout=0.0, group_index=case.group_index,
+            attention_backend=case.attention_backend,
         )  # fmt: skip
     elif case.name == "conv":
         module = torch.nn.Conv2d(c, c, case.patch_size, padding=case.patch_size // 2)

@@ -8,7 +8,8 @@ Columns describing a case (one row per case): ``label``, ``kind`` (layer | model
 (layer kind gsa | conv | gconv, or model name), ``family`` (gsa | conv | gconv | cnn | gcnn),
 ``group``, ``group_order`` N, ``form`` (lifting | sum | single | group | -), ``patch_size``
 P (attention neighbourhood or kernel side; 0 = global attention), ``image_size``, ``batch``,
-``channels``, ``heads``.
+``channels``, ``heads``, ``attention_backend`` (the one asked for; a measured row holds the one
+that ran: cpp | triton | torch, empty without attention).
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         if family == "gsa":
             overrides.update(group=case.group, query_form=case.query_form,
                              patch_size=case.patch_size or -1)  # fmt: skip
+            if case.attention_backend != "auto":
+                overrides.update(attention_backend=case.attention_backend)
             group, form, patch = case.group, case.query_form, case.patch_size
             channels, heads = config["channels"] or 20, config["heads"] or 9
         else:
@@ -193,6 +196,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     group = get_group(canonical_group(case.group))
     info = dict(label=label, kind=case.kind, name=case.name, group=group.name,
                 group_order=group.order, image_size=case.image_size, batch=case.batch,
+                attention_backend=case.attention_backend if case.attends else "",
                 **info)  # fmt: skip
     return case, info
 
@@ -222,10 +226,20 @@ def select_cases(
     batch_sizes: Sequence[int] = (),
     image_sizes: Sequence[int] = (),
     patch_sizes: Sequence[int] = (),
+    attention_backends: Sequence[str] = (),
 ) -> list[Case]:
     """Filter by ``groups``/``models``/``layers``; set every case's batch, image and patch
-    sizes to each value given (a product); drop duplicates, keep the order."""
+    sizes, and every attention case's backend, to each value given (a product); drop
+    duplicates, keep the order."""
+    from symattn_cli.nn.gsa_core import BACKENDS
+
     check_names(models, layers)
+    bad = [name for name in attention_backends if name not in BACKENDS]
+    if bad:
+        raise ConfigError(
+            f"attention_backends={list(attention_backends)}: {bad} unknown; use any of "
+            f"{list(BACKENDS)}"
+        )
     wanted_groups = {canonical_group(g) for g in groups}
     out: list[Case] = []
     for case in cases:
@@ -244,6 +258,9 @@ def select_cases(
                              ("patch_size", patch_sizes)):  # fmt: skip
             if values:
                 variants = [replace(v, **{attr: int(x)}) for v in variants for x in values]
+        if attention_backends and case.attends:
+            variants = [replace(v, attention_backend=b)
+                        for v in variants for b in attention_backends]  # fmt: skip
         out += variants
     unique = {c.key(): c for c in reversed(out)}
     keys = list(dict.fromkeys(c.key() for c in out))
@@ -255,11 +272,13 @@ def naive_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     at the same sizes, measured in the same run: ``<group>_naive_{time,mem}_ratio``."""
     keys = [k for k in SERIES_KEYS if k != "form"]
     ours = {
-        tuple(r[k] for k in keys): r for r in rows if r.get("status") == "ok" and r["form"] == "sum"
+        tuple(r.get(k) for k in keys): r
+        for r in rows
+        if r.get("status") == "ok" and r["form"] == "sum"
     }
     out = {}
     for row in rows:
-        match = ours.get(tuple(row[k] for k in keys))
+        match = ours.get(tuple(row.get(k) for k in keys))
         if row.get("status") != "ok" or row["form"] != "sum-naive" or match is None:
             continue
         for mode in ("train", "forward"):
@@ -301,7 +320,7 @@ def reference_comparison(info: dict[str, Any], row: dict[str, Any]) -> dict[str,
 # axis -> the column that varies; series hold every other describing column fixed.
 AXES = {"N": "group_order", "P": "patch_size", "side": "image_size", "batch": "batch"}
 SERIES_KEYS = ("kind", "family", "form", "group_order", "patch_size", "image_size", "batch",
-               "channels", "heads")  # fmt: skip
+               "channels", "heads", "attention_backend")  # fmt: skip
 
 
 def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -336,7 +355,7 @@ def growth_exponents(
                 continue
             if axis == "P" and row["patch_size"] == 0:
                 continue
-            series.setdefault(tuple(row[k] for k in keys), []).append(row)
+            series.setdefault(tuple(row.get(k) for k in keys), []).append(row)
         for members in series.values():
             xs_all = sorted({m[column] for m in members})
             if len(xs_all) < min_points:

@@ -5,7 +5,8 @@ batch 2, fp32, forward + backward) and prints the ratios to the reference implem
 ``preset=default`` sweeps group order, neighbourhood, image and batch size, both group-layer
 forms and the convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
 training-step throughput (images per second) and memory at batches 8, 32 and 128 beside the
-z2 net and the plain CNN; ``preset=quick`` takes seconds (tests).
+z2 net and the plain CNN (``attention_backends=[triton,torch]``: each GSA net with the Triton
+kernel and with the plain PyTorch core); ``preset=quick`` takes seconds (tests).
 
 Writes ``<run dir>/run.h5`` with tables ``/results/cases`` (one row per case), ``/results/fits``
 (growth exponents) and ``/results/reference`` (the cases the reference was measured on), PNG
@@ -144,6 +145,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         batch_sizes=list(cfg.batch_sizes),
         image_sizes=list(cfg.image_sizes),
         patch_sizes=list(cfg.patch_sizes),
+        attention_backends=list(cfg.attention_backends),
     )
     if not cases:
         raise ConfigError(f"preset={cfg.preset} has no case left after the filters; relax them")
@@ -154,15 +156,17 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)
-    backend = backend_for(settings.device)  # builds the C++ kernel here, not in a timed case
+    auto = backend_for(settings.device)  # builds the C++ kernel here, not in a timed case
+    asked = [backend_for(settings.device, backend=b) for b in cfg.attention_backends] or [auto]
+    backends = ", ".join(dict.fromkeys(asked))
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "
         f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
-        f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backend}",
+        f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backends}",
         flush=True,
     )
-    if backend != "cpp" and settings.device == "cpu":
+    if auto != "cpp" and settings.device == "cpu":
         print(
             "note: the GSA attention runs its plain PyTorch backend (SYMATTN_NATIVE=0, or the "
             "C++ kernel did not build: see the warning above); its times are not the kernel's",

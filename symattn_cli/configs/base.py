@@ -64,7 +64,9 @@ class BenchmarkConfig:
 
     Empty lists and ``null`` mean "the preset's". ``groups``/``models``/``layers`` filter the
     preset's cases; ``batch_sizes``/``image_sizes``/``patch_sizes`` set every case to each
-    value given (``patch_sizes`` 0 = global attention).
+    value given (``patch_sizes`` 0 = global attention), and ``attention_backends`` measures
+    every case with attention once per backend named (``[triton,torch]``: the Triton kernel
+    against the plain PyTorch core on the same GPU).
     """
 
     preset: str = "default"  # reference | default | gpu | quick
@@ -80,6 +82,8 @@ class BenchmarkConfig:
     batch_sizes: list[int] = field(default_factory=list)
     image_sizes: list[int] = field(default_factory=list)
     patch_sizes: list[int] = field(default_factory=list)
+    # GSA layers and nets once per attention backend: auto | cpp | triton | torch
+    attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True
     omp_wait_policy: str = "passive"  # OpenMP idle threads: passive | active | "" (default)
     case_timeout: float = 600.0  # seconds per case (fresh processes only)

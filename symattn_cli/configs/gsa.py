@@ -29,7 +29,9 @@ class GSANetConfig:
     norm: str = "layer"  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
     checkpointing: bool = True  # torch backend: recompute attention in the backward (memory)
     chunk_elements: int = 0  # torch backend: numbers in its largest chunk tensor; 0 = auto
-    attention_backend: str = "auto"  # auto (C++ kernel on CPU), cpp, or torch (plain PyTorch)
+    # auto (the C++ kernel on CPU, the Triton kernel on CUDA), cpp, triton, or torch (plain
+    # PyTorch: any device, the fallback)
+    attention_backend: str = "auto"
     in_channels: int = 0  # 0 = from the data
     num_classes: int = 0  # 0 = from the data
 

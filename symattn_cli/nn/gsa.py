@@ -30,10 +30,11 @@ Lifting is the ``"sum"`` form with one query and one key element per point.
 
 Memory and speed: the core (:mod:`symattn_cli.nn.gsa_core`) keeps only q, k, v and the
 encodings for the backward pass and recomputes the rest there. On CPU it runs a fused C++
-kernel over torch's intra-op threads; elsewhere (or with ``attention_backend="torch"``) a
-plain PyTorch version over chunks of queries (``chunk_elements`` numbers in the largest chunk
-tensor; 0 = :data:`AUTO_CHUNK` for the device). Global layers evaluate the spatial encoding
-once per distinct offset, not per (query, key) pair.
+kernel over torch's intra-op threads, on CUDA a fused Triton kernel; elsewhere (or with
+``attention_backend="torch"``) a plain PyTorch version over chunks of queries
+(``chunk_elements`` numbers in the largest chunk tensor; 0 = :data:`AUTO_CHUNK` for the
+device). Global layers evaluate the spatial encoding once per distinct offset, not per
+(query, key) pair.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ and the backward redraws it instead of storing it.
 Backends, chosen by :func:`factorised_attention` (``backend="auto"``):
   ``"cpp"``    the fused CPU kernel (``gsa_kernel.cpp``): per query, logits, both softmaxes
                and the value sums in cache; a hand-written backward that recomputes them.
+  ``"triton"`` the fused GPU kernel (``gsa_triton_kernel.py``): one program per query, the
+               same equations as the CPU kernel, its backward recomputing them; CUDA tensors
+               (CPU tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
   ``"torch"``  this file's plain PyTorch version of the same algorithm over chunks of queries,
                each recomputed in the backward (activation checkpointing): any device.
 :func:`dense_attention` is the reference algorithm (full logits, autograd), the test oracle
@@ -49,7 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 FORMS = ("sum", "single")
-BACKENDS = ("auto", "cpp", "torch")
+BACKENDS = ("auto", "cpp", "triton", "torch")
 DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
 
 _MASK32 = 0xFFFFFFFF
@@ -180,14 +183,17 @@ def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def backend_for(device, dtype=torch.float32, backend: str = "auto") -> str:
     """The backend a call on ``device`` with ``dtype`` runs: ``backend`` itself, or for
-    ``"auto"`` the fused CPU kernel where it applies and is built, else ``"torch"``."""
+    ``"auto"`` the Triton kernel on CUDA when Triton is installed, the fused CPU kernel where it
+    applies and is built, else ``"torch"``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
-    from symattn_cli.nn import gsa_native
+    from symattn_cli.nn import gsa_native, gsa_triton
 
     device = torch.device(device)
+    if device.type == "cuda" and gsa_triton.available():
+        return "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and gsa_native.load():
         return "cpp"
     return "torch"
@@ -206,7 +212,7 @@ def factorised_attention(
     into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the attention-dropout
     rate (a multiple of 2^-15 after rounding; the output is rescaled by 1 / (1 - drop));
     ``chunk`` queries per chunk of the torch backend, and ``recompute`` whether it recomputes
-    them in the backward (the fused kernel always does); ``backend`` one of :data:`BACKENDS`.
+    them in the backward (the fused kernels always do); ``backend`` one of :data:`BACKENDS`.
 
     Under autocast (mixed precision) the core runs in float32, forward and backward. The output
     is float32; the maps around it keep autocast.
@@ -231,6 +237,10 @@ def factorised_attention(
         from symattn_cli.nn.gsa_native import fused_attention
 
         out = fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed)
+    elif which == "triton":
+        from symattn_cli.nn.gsa_triton import triton_attention
+
+        out = triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed)
     else:
         out = _torch_attention(
             q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed, max(int(chunk), 1),

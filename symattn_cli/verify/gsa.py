@@ -146,13 +146,16 @@ def layer_equivariance(
     channels: int = 6,
     heads: int = 2,
     patch_size: int | None = 3,
+    device="cpu",
 ) -> list[dict]:
-    """``max |layer(L_u f) - L_u layer(f)|`` for every grid-exact u of the group."""
+    """``max |layer(L_u f) - L_u layer(f)|`` for every grid-exact u of the group, computed on
+    ``device``."""
     group, dt = get_group(group_name), _dtype(dtype)
     module, x = build_probe(
         group, kind, image_size=image_size, channels=channels, heads=heads,
         patch_size=patch_size, dtype=dt, seed=seed,
     )  # fmt: skip
+    module, x = module.to(device), x.to(device)
     expected = "fail" if kind == "group_shifted" else "exact"
     with torch.no_grad():
         y = module(x)

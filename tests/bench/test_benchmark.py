@@ -7,6 +7,7 @@ that every number is there, finite and in range, and that the run file holds the
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,23 @@ def test_select_cases_filters_and_sets_axes():
         select_cases(cases, layers=["attention"])
 
 
+def test_attention_backends_measure_each_attention_case_once_per_backend():
+    """``attention_backends=[triton,torch]``: the GPU preset's GSA nets with the Triton kernel
+    and with the plain PyTorch core; the CNN once."""
+    cases = select_cases(PRESETS["gpu"].cases(), models=["r8_sa", "cnn"], batch_sizes=[8],
+                         attention_backends=["triton", "torch"])  # fmt: skip
+    infos = [resolve(case)[1] for case in cases]
+    assert sorted((i["name"], i["form"], i["attention_backend"]) for i in infos) == [
+        ("cnn", "-", ""), ("r8_sa", "single", "torch"), ("r8_sa", "single", "triton"),
+        ("r8_sa", "sum", "torch"), ("r8_sa", "sum", "triton"),
+    ]  # fmt: skip
+    assert len({i["label"] for i in infos}) == len(infos)
+    model_case, _ = resolve(cases[0])
+    assert model_case.overrides["attention_backend"] in ("triton", "torch")
+    with pytest.raises(ConfigError, match=r"\['gpu'\] unknown; use any of .*triton"):
+        select_cases(PRESETS["gpu"].cases(), attention_backends=["gpu"])
+
+
 def test_reference_comparison_ratios():
     case, info = resolve(PRESETS["reference"].cases()[2])  # r8
     row = {"train_time_s": 0.7, "train_mem_mb": 215.5}
@@ -202,6 +220,12 @@ def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
         assert count_flops(step, module) == serial
     finally:
         torch.set_num_threads(threads)
+
+
+def test_measure_case_runs_the_attention_backend_asked_for():
+    settings = Settings(repeats=1, warmup=0, threads=1, modes=("train",), count_flops=False)
+    row = measure_case(replace(TINY, attention_backend="torch"), settings)
+    assert row["attention_backend"] == "torch" and row["train_time_s"] > 0
 
 
 def test_measure_fresh_runs_in_a_child_process():
@@ -286,6 +310,24 @@ def test_unknown_preset_is_one_line_and_exit_2(workdir: Path):
     assert len(lines) == 1 and "preset='fastest'" in lines[0]
     assert all(name in lines[0] for name in PRESETS)
     assert not (workdir / "run.h5").exists()
+
+
+def test_attention_backends_option_measures_each_backend(workdir: Path):
+    """One command compares backends on one device: here the C++ kernel and the plain PyTorch
+    core on the CPU (on a GPU: ``attention_backends=[triton,torch]``)."""
+    out = workdir / "backends"
+    backends = ["cpp", "torch"] if gsa_native.enabled() else ["torch"]
+    result = run_symattn(
+        "benchmark", "preset=quick", "groups=[z2]", "layers=[gsa]",
+        f"attention_backends=[{','.join(backends)}]", "repeats=1", "warmup=0",
+        "count_flops=false", "plot=false", "logger.mode=disabled", f"hydra.run.dir={out}",
+        cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"attention backend {', '.join(backends)}" in result.stdout
+    cases = read_table(out / "run.h5", "cases")
+    assert cases["attention_backend"].tolist() == backends
+    assert np.all(cases["train_items_per_s"] > 0)
 
 
 def test_gpu_preset_on_the_cpu_says_what_it_costs_and_reports_throughput(workdir: Path):

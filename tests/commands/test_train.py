@@ -156,7 +156,7 @@ def test_diverged_run_says_what_to_change_and_keeps_its_file(workdir):
 
 
 KILL_ARGS = [*TINY_TRAIN, "data.num_train=320", "trainer.epochs=4", "trainer.log_every_steps=2"]
-# The default model at a small width: attention worker threads and augmented digits too.
+# The default model at a small width: the attention kernel and augmented digits too.
 GSA_KILL_ARGS = [*(a for a in KILL_ARGS if not a.startswith("model")), "model=gsa_mini",
                  "model.channels=8"]  # fmt: skip
 

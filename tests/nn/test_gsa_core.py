@@ -47,8 +47,9 @@ CASES = [
 def _run(fn, inputs, form, dtype=torch.float64, seed=0, **kwargs):
     """``[out, grads of q, k, v, group_rho, rho]`` of a random weighted sum of the output."""
     q, k, v, group_rho, rho, offsets, nb, valid, n = inputs
-    leaves = [None if t is None else t.to(dtype).requires_grad_() for t in (q, k, v, group_rho,
-                                                                          rho)]  # fmt: skip
+    # detached copies: each call's gradients are its own, not added to an earlier call's
+    leaves = [None if t is None else t.detach().to(dtype).requires_grad_()
+              for t in (q, k, v, group_rho, rho)]  # fmt: skip
     torch.manual_seed(seed)
     out = fn(*leaves, offsets, nb, valid, form=form, n=n, **kwargs)
     gen = torch.Generator().manual_seed(1)

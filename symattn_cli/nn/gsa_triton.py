@@ -1,0 +1,161 @@
+"""The fused Triton kernel of the attention core (``gsa_triton_kernel.py``) as an autograd
+function: the attention backend on CUDA.
+
+Triton runs kernels compiled for the GPU, or, when ``TRITON_INTERPRET=1`` is set before it is
+imported, in its interpreter for the whole process, on CPU tensors too (its own
+``triton.language`` functions are fixed to one mode as it is imported). The interpreter is how
+the kernel is tested on machines without a GPU (``tests/conftest.py`` sets it there); it runs
+each program in Python, far too slowly for anything else.
+
+Half-precision inputs (float16, bfloat16) are computed in float32 and the output cast back;
+under autocast the core hands over float32 already. dk, dv and drho are summed by atomic
+adds, so on a GPU their last bits vary from run to run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from symattn_cli.nn import gsa_core
+
+ENV = "TRITON_INTERPRET"
+# Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers. For
+# r8 (BM = BG = BT = 8): 16 neighbours a block; compiled for sm_90 the sum form's backward takes
+# 168 registers a thread, no spills (twice the block: 255, the most a thread has). Not tuned by
+# measurements on a GPU.
+BLOCK_ELEMENTS = 1024
+NUM_WARPS = 4
+
+_MASK32 = 0xFFFFFFFF
+
+
+def available() -> bool:
+    """Whether Triton is installed (it ships with PyTorch's CUDA wheels)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels() -> ModuleType:
+    """The kernel module (imports Triton)."""
+    from symattn_cli.nn import gsa_triton_kernel
+
+    return gsa_triton_kernel
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (imports Triton)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernels().attention_forward, InterpretedFunction)
+
+
+def _power2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: int):
+    """The kernels' size arguments and block sizes."""
+    _, n_q, g, d = q.shape
+    n_kv, m = k.shape[1:3]
+    j = neighbour.shape[1]
+    e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
+    rows = 1 if single or rho is None else n  # T: rows of the outer logits
+    bm, bg, bd, bt = _power2(m), _power2(g), _power2(d), _power2(rows)
+    bj = max(1, BLOCK_ELEMENTS // (bg * max(bm, bt)))
+    bj = min(_power2(j), 1 << (bj.bit_length() - 1))  # a power of two
+    sizes = (n_q, n_kv, j, m, g, d, e, distinct, n, rows,
+             seed & _MASK32, (seed >> 32) & _MASK32, threshold)  # fmt: skip
+    blocks = dict(BJ=bj, BM=bm, BG=bg, BD=bd, BT=bt, BO=bg if single else bt, BV=_power2(n))
+    return sizes, blocks
+
+
+class TritonAttention(torch.autograd.Function):
+    """The kernel's forward and backward (arguments: see :func:`triton_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+        ctx.save_for_backward(q, k, v, gl, rho)
+        ctx.args = (offsets, neighbour, valid, single, n, threshold, seed)
+        z, n_q, _, d = q.shape
+        out = q.new_empty(z, n_q, n, d)
+        if out.numel():
+            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
+            program.attention_forward[(z * n_q,)](out, *args, **meta, num_warps=NUM_WARPS)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, gl, rho = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dgl = None if gl is None else torch.zeros_like(gl)
+        drho = None if rho is None else torch.zeros_like(rho)
+        z, n_q = q.shape[:2]
+        if z * n_q:
+            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
+            grads = (dq, dk, dv, q if dgl is None else dgl, q if drho is None else drho)
+            if meta["BO"] == 1:  # every v had the same output row: their gradients add up
+                grad_out = grad_out.sum(dim=2, keepdim=True)
+            grad_out = grad_out.contiguous()
+            program.attention_backward[(z * n_q,)](
+                *grads, grad_out, *args, grad_out.shape[2], **meta, num_warps=NUM_WARPS
+            )
+        return dq, dk, dv, dgl, drho, *(None,) * 7
+
+
+def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    """The kernel module, the kernels' common arguments and their compile-time ones. Absent
+    tensors are replaced by a stand-in that is never read."""
+    sizes, blocks = _launch(q, k, rho, neighbour, single, n, threshold, seed)
+    args = (
+        q, k, v, q if gl is None else gl, q if rho is None else rho,
+        neighbour if offsets is None else offsets, neighbour,
+        neighbour if valid is None else valid.view(torch.int8), *sizes,
+    )  # fmt: skip
+    flags = dict(
+        HAS_GL=gl is not None, HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None,
+        HAS_VALID=valid is not None, SINGLE=single, DROP=threshold > 0,
+    )  # fmt: skip
+    return kernels(), args, {**flags, **blocks}
+
+
+def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed):
+    """The factorised attention (:mod:`symattn_cli.nn.gsa_core`) by the Triton kernel, without
+    the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``gl`` ``(Z, L, M, G)``: the group logits,
+    or None. CUDA tensors, or CPU tensors in Triton's interpreter."""
+    if not available():
+        raise ValueError(
+            "attention backend 'triton' needs Triton, which ships with PyTorch's CUDA wheels "
+            "(or pip install triton); use attention_backend=torch"
+        )
+    device = q.device
+    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
+        raise ValueError(
+            f"attention backend 'triton' runs on CUDA tensors, not {device.type} ones (on the "
+            f"CPU only in Triton's interpreter, {ENV}=1 before Triton is imported, which tests "
+            "use); use attention_backend=auto or torch"
+        )
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"attention backend 'triton' takes floating-point inputs, not {dtype}")
+
+    def flat(t):  # half precision is computed in float32
+        return None if t is None else gsa_core._widen(t).contiguous()
+
+    q, k, v, gl, rho = (flat(t) for t in (q, k, v, gl, rho))
+    if any(t is not None and t.dtype != q.dtype for t in (k, v, gl, rho)):
+        raise ValueError("q, k, v and the encodings must share one dtype")
+    threshold = round(drop * gsa_core.DROP_STEPS)
+
+    def index(t):
+        return None if t is None else t.contiguous()
+
+    args = (index(offsets), index(neighbour), index(valid), form == "single", n, threshold, seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            out = TritonAttention.apply(q, k, v, gl, rho, *args)
+    else:
+        out = TritonAttention.apply(q, k, v, gl, rho, *args)
+    return out if out.dtype == dtype else out.to(dtype)

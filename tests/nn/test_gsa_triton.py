@@ -1,0 +1,278 @@
+"""The Triton kernel of the attention core against the dense oracle (values and gradients,
+dropout masks included) and in layers (the C++ kernel's values, exact equivariance): compiled
+on a GPU, or without one in Triton's interpreter on CPU tensors (``tests/conftest.py`` turns it
+on; small sizes, as it runs each program in Python); that it compiles for a GPU without one;
+and, on a GPU only (``gpu`` marker), against the torch backend at full size and under AMP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import symattn_cli.nn.gsa_core as core
+from symattn_cli.groups import get_group
+from symattn_cli.nn import gsa_triton
+from symattn_cli.nn.gsa import GroupSelfAttention
+from symattn_cli.nn.gsa_core import factorised_attention
+from symattn_cli.verify.gsa import build_probe, layer_equivariance
+from tests.helpers import REPO, symattn_env, values_and_gradients
+
+from .test_gsa_core import CASES, _dense, _inputs, _run
+
+triton = pytest.importorskip("triton", reason="Triton ships with PyTorch's CUDA wheels only")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    """Where the kernel runs here: the GPU, or the CPU in Triton's interpreter."""
+    if gsa_triton.interpreted():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip(f"no GPU, and Triton was imported without its interpreter ({gsa_triton.ENV}=1)")
+
+
+def _on(device: str, inputs: tuple) -> tuple:
+    return tuple(t.to(device) if torch.is_tensor(t) else t for t in inputs)
+
+
+def _small(shape: dict) -> dict:
+    """A case of CASES with one batch-head and three queries (one program each)."""
+    return {**shape, "z": 1, "n_q": 3}
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES)
+@pytest.mark.parametrize(("drop", "block"), [(0.0, None), (0.3, 2)])
+def test_matches_the_dense_oracle(form, shape, drop, block, device, monkeypatch):
+    """Values and gradients to float64 round-off, with the same dropout masks; all neighbours
+    in one block, or ``block`` a block (the statistics carried from block to block; 9
+    neighbours leave the last block partly filled)."""
+    if block:
+        launch = gsa_triton._launch
+
+        def small_blocks(*args):
+            sizes, blocks = launch(*args)
+            return sizes, {**blocks, "BJ": block}
+
+        monkeypatch.setattr(gsa_triton, "_launch", small_blocks)
+    inputs = _on(device, _inputs(**_small(shape)))
+    ours = _run(factorised_attention, inputs, form, drop=drop, backend="triton")
+    oracle = _run(_dense(drop), inputs, form)
+    assert len(ours) == len(oracle)
+    for a, b in zip(ours, oracle, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES[:5])
+def test_float32_matches_the_float64_oracle(form, shape, device):
+    inputs = _on(device, _inputs(**_small(shape)))
+    ours = _run(factorised_attention, inputs, form, torch.float32, drop=0.2, backend="triton")
+    oracle = _run(_dense(0.2), inputs, form)
+    for a, b in zip(ours, oracle, strict=True):
+        assert a.dtype == torch.float32
+        assert (a.double() - b).abs().max() <= 2e-5 * b.abs().max()
+
+
+def test_half_precision_is_computed_in_float32(device):
+    """bfloat16 inputs (outside autocast): float32 inside, bfloat16 out, gradients included."""
+    inputs = _on(device, _inputs(z=1, n_q=3))
+    ours = _run(factorised_attention, inputs, "sum", torch.bfloat16, backend="triton")
+    rounded = [t.to(torch.bfloat16).double() if torch.is_tensor(t) and t.is_floating_point()
+               else t for t in inputs]  # fmt: skip
+    oracle = _run(_dense(0.0), rounded, "sum")
+    for a, b in zip(ours, oracle, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_backward_takes_a_non_contiguous_output_gradient(device):
+    q, k, v, g_rho, rho, offsets, nb, valid, n = _on(device, _inputs(z=1, n_q=3))
+    q.requires_grad_()
+    out = factorised_attention(q, k, v, g_rho, rho, offsets, nb, valid, form="sum", n=n,
+                               backend="triton")  # fmt: skip
+    z, n_q, n, d = out.shape
+    grad = torch.randn(z, d, n, n_q, dtype=out.dtype, device=device).permute(0, 3, 2, 1)
+    (a,) = torch.autograd.grad(out, q, grad, retain_graph=True)
+    (b,) = torch.autograd.grad(out, q, grad.contiguous())
+    assert not grad.is_contiguous() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("lifting", marks=pytest.mark.slow), "group_sum", "group_single",
+             pytest.param("network", marks=pytest.mark.slow)]
+)  # fmt: skip
+def test_layers_agree_with_the_cpu_kernel_and_are_exactly_equivariant(
+    kind, device, monkeypatch, kernel
+):
+    """z4m (rotations and mirrors: 8 grid-exact elements) on a 3 x 3 image: the Triton kernel
+    gives the C++ kernel's values and gradients in float64, with attention dropout on (the same
+    masks), and the layer is exactly equivariant for every element."""
+    module, x = build_probe(get_group("z4m"), kind, image_size=3, heads=1, dtype=torch.float64)
+    for layer in module.modules():
+        if isinstance(layer, GroupSelfAttention):
+            layer.attention_dropout.p = 0.2
+    module.train()
+    cpu_out, *cpu_grads = values_and_gradients(module, x)
+    asked = []
+    monkeypatch.setattr(
+        core, "backend_for", lambda device, dtype=None, backend="auto": asked.append(1) or "triton"
+    )
+    out, *grads = (t.cpu() for t in values_and_gradients(module.to(device), x.to(device)))
+    assert asked  # the core did take the Triton kernel
+    assert torch.allclose(out, cpu_out, rtol=0, atol=1e-12 * cpu_out.abs().max())
+    scale = max(g.abs().max() for g in cpu_grads)  # some gradients are zero up to round-off
+    for a, b in zip(grads, cpu_grads, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12 * scale)
+    records = layer_equivariance("z4m", kind, image_size=3, heads=1, device=device)
+    assert len(records) == len(get_group("z4m").grid_exact_elements())
+    assert max(r["max_rel"] for r in records) <= 1e-10, records
+
+
+def test_auto_backend_is_the_triton_kernel_on_cuda(monkeypatch):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        assert core.backend_for("cuda", dtype) == "triton"
+    assert core.backend_for("cuda", backend="torch") == "torch"  # the fallback, by name
+    assert core.backend_for("cpu", torch.float32, "triton") == "triton"
+    monkeypatch.setattr(gsa_triton, "available", lambda: False)
+    assert core.backend_for("cuda") == "torch"
+    q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs()
+    with pytest.raises(ValueError, match="needs Triton"):
+        factorised_attention(q, k, v, g_rho, rho, offsets, nb, valid, form="sum", n=n,
+                             backend="triton")  # fmt: skip
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(gsa_triton, "interpreted", lambda: False)
+    q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        factorised_attention(q, k, v, g_rho, rho, offsets, nb, valid, form="sum", n=n,
+                             backend="triton")  # fmt: skip
+    layer = GroupSelfAttention(group=get_group("z4"), in_channels=2, out_channels=6, heads=1,
+                               attention_backend="triton")  # fmt: skip
+    assert layer.attention_backend == "triton"
+
+
+# Layer kinds compiled by test_kernels_compile_for_a_gpu: (form, _inputs arguments, dtype,
+# dropout rate, with a spatial term).
+COMPILED = [
+    ("sum", dict(), "float32", 0.1, True),  # group layer, local, dropout
+    ("sum", dict(), "float64", 0.1, True),
+    ("single", dict(local=False), "float32", 0.0, True),  # global
+    ("sum", dict(g=1, m=1), "float32", 0.0, True),  # lifting
+    ("sum", dict(g=8, m=8, d=10, e=6, j=25), "float32", 0.1, False),  # r8, no spatial term
+]
+
+
+def compile_for_gpu(arch: int = 90) -> None:
+    """Compiles forward and backward of each of :data:`COMPILED` for an NVIDIA GPU of compute
+    capability ``arch`` down to machine code; no GPU needed, but Triton must have been
+    imported without its interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    types = {torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64", torch.int8: "i8"}
+
+    def signature(kernel, args, meta):
+        values = dict(zip(kernel.arg_names, args, strict=False))
+        out = {}
+        for name in kernel.arg_names:
+            if name in meta:
+                out[name] = "constexpr"
+            elif torch.is_tensor(values[name]):
+                out[name] = "*" + types[values[name].dtype]
+            else:
+                out[name] = "i32" if -(2**31) <= values[name] < 2**31 else "i64"
+        return out
+
+    module = gsa_triton.kernels()
+    for form, shape, dtype, drop, spatial in COMPILED:
+        q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(**shape)
+        dtype = getattr(torch, dtype)
+        q, k, v, g_rho = (None if t is None else t.to(dtype) for t in (q, k, v, g_rho))
+        rho = rho.to(dtype) if spatial else None
+        gl = core.group_logits(q, g_rho)
+        threshold = round(drop * core.DROP_STEPS)
+        single = form == "single"
+        _, args, meta = gsa_triton._program(q, k, v, gl, rho, offsets, nb, valid, single, n,
+                                            threshold, 0x123456789)  # fmt: skip
+        z, n_q, _, d = q.shape
+        go = q.new_zeros(z, n_q, 1 if meta["BO"] == 1 else n, d)
+        launches = [
+            (module.attention_forward, (q.new_empty(z, n_q, n, d), *args)),
+            (module.attention_backward, (q, k, v, q, q, go, *args, go.shape[2])),
+        ]
+        for kernel, kernel_args in launches:
+            source = ASTSource(kernel, signature(kernel, kernel_args, meta), constexprs=meta)
+            options = {"num_warps": gsa_triton.NUM_WARPS}
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+            assert compiled.asm["cubin"], (form, shape, kernel)
+            print(f"compiled {kernel.__name__} {form} {shape} {dtype} for sm_{arch}", flush=True)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu():
+    """The compiler accepts what the interpreter runs: every layer kind's forward and backward,
+    compiled for an H100 (sm_90) in a process where Triton runs compiled."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = symattn_env() | {gsa_triton.ENV: "0"}
+    code = "from tests.nn.test_gsa_triton import compile_for_gpu; compile_for_gpu()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.count("compiled") == 2 * len(COMPILED)
+
+
+# ------------------------------------------------------------------ on a GPU
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("form", "shape"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gpu_kernel_matches_the_torch_backend(form, shape, dtype):
+    inputs = _on("cuda", _inputs(**shape))
+    ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="triton")
+    plain = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="torch")
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for a, b in zip(ours, plain, strict=True):
+        assert a.is_cuda and (a - b).abs().max() <= tol * b.abs().max()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lifting", "group_sum", "group_single", "network"])
+def test_gpu_layers_are_exactly_equivariant(kind):
+    assert core.backend_for("cuda", torch.float64) == "triton"
+    records = layer_equivariance("z4m", kind, image_size=6, device="cuda")
+    assert max(r["max_rel"] for r in records) <= 1e-10, records
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_mixed_precision_follows_float32():
+    """``trainer.amp`` on a GPU: float16 autocast around a Triton core that runs in float32."""
+    import symattn_cli
+
+    torch.manual_seed(0)
+    model = symattn_cli.create_model("gsa_mini", group="r8", channels=8, heads=2).cuda()
+    x = torch.randn(4, 1, 28, 28, device="cuda")
+    target = torch.randint(0, 10, (4,), device="cuda")
+
+    def gradients(amp: bool):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), target)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    loss32, grad32 = gradients(False)
+    loss16, grad16 = gradients(True)
+    assert torch.isfinite(grad16).all() and abs(loss16 - loss32) <= 0.05 * loss32
+    assert torch.nn.functional.cosine_similarity(grad16.float(), grad32, dim=0) > 0.98

@@ -149,8 +149,8 @@ struct Tile {
   Tensor memory;         // 64-byte aligned; the arrays below point into it
   // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
   // and the output rows (V, d) after it;
-  // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep; rho_local (V, J, e): a
-  // local sum-form layer's table, broadcast to every lane
+  // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep, or a d rho row (e);
+  // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G)
@@ -160,7 +160,7 @@ struct Tile {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward;
     const int64_t sizes[] = {G * d, J * M * d, J * M * d, M * G, J * M * G,
                              p.threshold ? J * M * G : 0, J * G, J * G, (J * G + p.V) * d,
-                             p.rows() * J * G, std::max<int64_t>(p.e, 1), M * G,
+                             p.rows() * J * G, std::max<int64_t>(p.e, 1), std::max(M * G, p.e),
                              p.spatial_table() ? p.V * J * p.e : 0,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * J * M * d, b * J * M * d, b * J * M * G, b * M * G};
@@ -268,6 +268,20 @@ struct Tile {
     for (int64_t t = 0; t < T; ++t) {
       const S* src = p.rho + (row * p.D + p.offsets[i[t] * p.J + j]) * p.e;
       for (int64_t c = 0; c < p.e; ++c) r[c][t] = src[c];
+    }
+  }
+
+  // Adds dr (e) to d rho[row, off(i, j)]: lane by lane into the local table's vectors, or
+  // per lane t < n into rho's gradient at its own offset.
+  void scatter_rho(const Problem<S>& p, V* local, S* drho, int64_t row, int64_t j,
+                   const V* dr) const {
+    if (!p.offsets) {
+      for (int64_t c = 0; c < p.e; ++c) local[(row * p.J + j) * p.e + c] += dr[c];
+      return;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      S* dst = drho + (row * p.D + p.offsets[i[t] * p.J + j]) * p.e;
+      for (int64_t c = 0; c < p.e; ++c) dst[c] += dr[c][t];
     }
   }
 
@@ -470,24 +484,21 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   if (p.spatial_table()) {  // one table: two contractions over (k, j) and g
     contract<V>(tl.dq, d, 1, {tl.dt, 1, G}, {tl.rho_local, 1, e}, G, e, rows * J, true);
     contract<V>(drho_local, e, 1, {tl.dt, G, 1}, {tl.q, 1, d}, rows * J, e, G, true);
-  } else if (e) {
+  } else if (e) {  // a table row per lane (global) or per g (single)
+    V* dr = tl.pk;  // (e): this (k, j)'s d rho, summed over g when the row is shared
     for (int64_t k = 0; k < rows; ++k)
-      for (int64_t j = 0; j < J; ++j)
+      for (int64_t j = 0; j < J; ++j) {
+        if (!p.single) tl.gather_rho(p, k, j), std::fill(dr, dr + e, V{});
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = p.single ? g : k;
-          if (g == 0 || p.single) tl.gather_rho(p, row, j);
+          if (p.single) tl.gather_rho(p, g, j), std::fill(dr, dr + e, V{});
           const V x = tl.dt[(k * J + j) * G + g];
           for (int64_t c = 0; c < e; ++c) {
             tl.dq[g * d + c] += x * tl.r[c];
-            const V dr = x * tl.q[g * d + c];  // 0 on lanes past n: go is 0 there
-            if (!p.offsets) {  // local: one table row for every lane, summed lane by lane
-              drho_local[(row * J + j) * e + c] += dr;
-            } else {
-              for (int64_t t = 0; t < tl.n; ++t)
-                gr.drho[(row * p.D + p.offsets[tl.i[t] * J + j]) * e + c] += dr[t];
-            }
+            dr[c] += x * tl.q[g * d + c];  // 0 on lanes past n: go is 0 there
           }
+          if (p.single || g == G - 1) tl.scatter_rho(p, drho_local, gr.drho, p.single ? g : k, j, dr);
         }
+      }
   }
   // the inner softmax, the keys and the values
   if (gr.dgl) std::fill(tl.dgl, tl.dgl + M * G, V{});

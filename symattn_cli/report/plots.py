@@ -8,6 +8,7 @@ score and the training loss by default), a line per group at the mean over its r
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def plot_metrics(groups: Sequence[Group], metrics: Sequence[str], path: Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    width = max(4.0, 0.55 * len(groups) + 1.5)
+    width = max(5.0, 0.55 * len(groups) + 1.5)
     fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), 4.2), squeeze=False)
     colours = _colours(len(groups))
     names = [group_name(g) for g in groups]
@@ -57,7 +58,9 @@ def plot_metrics(groups: Sequence[Group], metrics: Sequence[str], path: Path,
         ax.set_xticks(range(len(groups)), names, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel(header(metric))
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title or "mean ± std over runs (dots: single runs)", fontsize=9)
+    caption = f"{title}\n" if title else ""
+    caption += "mean ± std over runs; dots: single runs"
+    fig.suptitle(_wrap(caption, fig), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -74,6 +77,7 @@ def plot_curves(groups: Sequence[Group], metrics: Sequence[str], path: Path,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(drawn), figsize=(5.5 * len(drawn), 4.0), squeeze=False)
     colours = _colours(len(groups))
@@ -91,14 +95,20 @@ def plot_curves(groups: Sequence[Group], metrics: Sequence[str], path: Path,
             if len(series) > 1:
                 std = values.std(axis=0, ddof=1)
                 ax.fill_between(epochs, mean - std, mean + std, color=colour, alpha=0.15)
-        if "loss" in metric:
-            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("epoch")
         ax.set_ylabel(header(metric))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="best")
-    fig.suptitle(title or "mean over runs, band ± std", fontsize=9)
+    caption = f"{title}\n" if title else ""
+    fig.suptitle(_wrap(caption + "mean over runs, band ± std", fig), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def _wrap(text: str, fig) -> str:
+    """``text`` broken into lines that fit the figure's width at the caption's font size."""
+    characters = int(fig.get_figwidth() * 13)
+    return "\n".join(textwrap.fill(line, characters) for line in text.splitlines())

@@ -107,6 +107,7 @@ def test_a_report_never_overwrites_files(workdir):
     first = run_symattn("report", "paths=[run]", "plot=false", "hydra.run.dir=rep", cwd=workdir)
     assert first.returncode == 0, first.stderr
     before = (workdir / "rep" / "report.md").read_text()
+    assert not (workdir / "rep" / ".hydra").exists()  # the config is in report.h5
     second = run_symattn("report", "run", "hydra.run.dir=rep", cwd=workdir)
     assert second.returncode == 2 and "already exists" in second.stderr
     assert "hydra.run.dir" in second.stderr

@@ -116,7 +116,7 @@ def report(cfg: Any) -> list:
         )
 
     title = cfg.title or _title(finished, groups, runs)
-    group_table = tables.groups_table(groups, columns, metrics, title=title)
+    group_table = tables.groups_table(groups, columns, metrics)
     dropped = tables.excluded_table(left_out, columns, score) if left_out else None
     records = [g.record(metrics) for g in groups]
     fields = list(grouping.Group(label={c: "" for c in columns}, runs=[]).record(metrics))
@@ -147,6 +147,7 @@ def report(cfg: Any) -> list:
         ]
 
     console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
+    console.print(title, highlight=False)
     console.print(group_table)
     if dropped is not None:
         console.print(dropped)
@@ -171,10 +172,17 @@ def _score(runs) -> str:
 def _title(finished, groups, runs) -> str:
     commits = sorted({run.commit[:7] + (" (dirty)" if run.dirty else "") for run in finished})
     shown = ", ".join(commits[:3]) + (" ..." if len(commits) > 3 else "")
-    title = f"{len(finished)} finished runs in {len(groups)} groups (mean ± std over runs)"
+    title = (
+        f"{_count(len(finished), 'finished run')} in {_count(len(groups), 'group')} "
+        "(mean ± std over runs)"
+    )
     if len(runs) > len(finished):
         title += f", {len(runs) - len(finished)} not averaged"
     return title + (f"; commit {shown}" if shown else "")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def _run_record(run, columns, metrics) -> dict[str, Any]:

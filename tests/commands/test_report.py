@@ -78,7 +78,7 @@ def test_unfinished_and_failed_runs_are_listed_not_averaged(workdir):
         live.close()
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "2 finished runs in 1 groups" in out and "3 not averaged" in out
+    assert "2 finished runs in 1 group" in out and "3 not averaged" in out
     assert "70.00 ± 14.14" in out  # the two finished runs only
     for status, note in (("failed", ""), ("stopped", "resume="), ("running", "still training")):
         line = next(x for x in out.splitlines() if f"│ {status}" in x)

@@ -15,6 +15,7 @@ Paths are positional on the command line; :func:`positional_paths` turns them in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -72,14 +73,27 @@ def _prepare_paths_argv() -> None:
     sys.argv = [sys.argv[0], *rest, paths_override(paths)]
 
 
-def report(cfg: Any) -> list:
-    """Build the report described by ``cfg``; returns its groups."""
-    from rich.console import Console
+@dataclasses.dataclass
+class Report:
+    """What a report shows: the runs, the columns that label them, the metrics and curves,
+    the groups of finished runs and the runs left out."""
 
+    runs: list
+    columns: list[str]
+    metrics: list[str]
+    curves: list[str]
+    score: str
+    groups: list
+    left_out: list
+    skipped: list
+    title: str
+
+
+def collect(cfg: Any) -> Report:
+    """Find and read the runs of ``cfg.paths`` and group them; bad input raises
+    :class:`UserError` naming the value and the fix."""
     from symattn_cli.report import groups as grouping
-    from symattn_cli.report import plots, tables
     from symattn_cli.report.runs import find_run_files, read_runs
-    from symattn_cli.train.runfile import write_results_file
 
     if not cfg.paths:
         raise ConfigError(
@@ -95,15 +109,42 @@ def report(cfg: Any) -> list:
     else:
         columns = grouping.differing_columns(readable, list(cfg.ignore))
     finished = [run for run in runs if run.finished]
-    grouping.check_metrics(readable, [*cfg.metrics, *([cfg.sort_by] if cfg.sort_by else [])])
+    grouping.check_metrics(readable, list(cfg.metrics))
+    grouping.check_metrics(readable, [cfg.sort_by] if cfg.sort_by else [], option="sort_by")
     metrics = list(cfg.metrics) or grouping.default_metrics(finished or readable)
+    score = _score(readable)
+    known = sorted({name for run in readable for name in run.epochs})
+    unknown = [name for name in cfg.curves if name not in known]
+    if unknown:
+        raise ConfigError(
+            f"curves: {unknown[0]!r} is not an epoch metric of these runs; choose from "
+            f"{', '.join(known)}"
+        )
     groups = grouping.group_runs(runs, columns)
     if cfg.sort_by:
         groups = grouping.sort_groups(groups, cfg.sort_by)
-    left_out = grouping.excluded(runs)
-    score = _score(readable)
-    curves = list(cfg.curves) or [score, "train_loss"]
+    return Report(
+        runs=runs,
+        columns=columns,
+        metrics=metrics,
+        curves=list(cfg.curves) or [score, "train_loss"],
+        score=score,
+        groups=groups,
+        left_out=grouping.excluded(runs),
+        skipped=skipped,
+        title=cfg.title or _title(finished, groups, runs),
+    )
 
+
+def report(cfg: Any) -> Report:
+    """Build the report described by ``cfg``, write its files and print its tables."""
+    from rich.console import Console
+
+    from symattn_cli.report import plots, tables
+    from symattn_cli.report.groups import Group
+    from symattn_cli.train.runfile import write_results_file
+
+    found = collect(cfg)
     directory = run_dir()
     targets = [directory / name for name in (CSV_FILE, MARKDOWN_FILE, RESULTS_FILE)]
     if cfg.plot:
@@ -115,17 +156,17 @@ def report(cfg: Any) -> list:
             "another hydra.run.dir"
         )
 
-    title = cfg.title or _title(finished, groups, runs)
+    columns, metrics, groups = found.columns, found.metrics, found.groups
     group_table = tables.groups_table(groups, columns, metrics)
-    dropped = tables.excluded_table(left_out, columns, score) if left_out else None
-    records = [g.record(metrics) for g in groups]
-    fields = list(grouping.Group(label={c: "" for c in columns}, runs=[]).record(metrics))
+    dropped = tables.excluded_table(found.left_out, columns, found.score)
+    records = [group.record(metrics) for group in groups]
+    fields = list(Group(label=dict.fromkeys(columns, ""), runs=[]).record(metrics))
     tables.write_csv(directory / CSV_FILE, records, fields=fields)
-    markdown = [f"**{title}**", "", tables.markdown(group_table)]
-    if dropped is not None:
+    markdown = [f"**{found.title}**", "", tables.markdown(group_table)]
+    if found.left_out:
         markdown += ["", f"**{dropped.title}**", "", tables.markdown(dropped)]
     (directory / MARKDOWN_FILE).write_text("\n".join(markdown) + "\n")
-    run_rows = [_run_record(run, columns, metrics) for run in runs]
+    run_rows = [_run_record(run, columns, metrics) for run in found.runs]
     path = write_results_file(
         directory / RESULTS_FILE,
         command="report",
@@ -133,33 +174,33 @@ def report(cfg: Any) -> list:
         env=environment("cpu"),
         tables={"groups": records, "runs": run_rows} if records else {"runs": run_rows},
         summary={
-            "runs": len(runs),
-            "finished": len(finished),
+            "runs": len(found.runs),
+            "finished": sum(len(group.runs) for group in groups),
             "groups": len(groups),
-            "excluded": len(left_out),
+            "excluded": len(found.left_out),
         },
     )
     figures = []
     if cfg.plot:
         figures = [
-            plots.plot_metrics(groups, metrics, directory / plots.METRICS_FILE, title=title),
-            plots.plot_curves(groups, curves, directory / plots.CURVES_FILE, title=title),
+            plots.plot_metrics(groups, metrics, directory / plots.METRICS_FILE, found.title),
+            plots.plot_curves(groups, found.curves, directory / plots.CURVES_FILE, found.title),
         ]
 
     console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
-    console.print(title, highlight=False)
+    console.print(found.title, highlight=False)
     console.print(group_table)
-    if dropped is not None:
+    if found.left_out:
         console.print(dropped)
     if not groups:
-        console.print(f"no finished run yet among the {len(runs)} found")
-    if skipped:
-        console.print(f"skipped {len(skipped)} run files of other commands (benchmark, ...)")
+        console.print(f"no finished run yet among the {len(found.runs)} found")
+    if found.skipped:
+        console.print(f"skipped {len(found.skipped)} run files of other commands (benchmark)")
     console.print(f"tables: {path}, {directory / CSV_FILE}, {directory / MARKDOWN_FILE}")
     for figure in figures:
         if figure is not None:
             console.print(f"plot: {figure}")
-    return groups
+    return found
 
 
 def _score(runs) -> str:

@@ -128,12 +128,13 @@ def default_metrics(runs: Sequence[Run]) -> list[str]:
     return [m for m in summary_metrics(runs) if m.startswith("test") and m.endswith(SCORES)]
 
 
-def check_metrics(runs: Sequence[Run], metrics: Sequence[str]) -> None:
+def check_metrics(runs: Sequence[Run], metrics: Sequence[str], option: str = "metrics") -> None:
+    """Raise :class:`ConfigError` for a metric (of the option ``option``) no run has."""
     known = summary_metrics(runs)
     for metric in metrics:
         if metric not in known:
             raise ConfigError(
-                f"metrics: {metric!r} is not a summary metric of these runs; choose from "
+                f"{option}: {metric!r} is not a summary metric of these runs; choose from "
                 f"{', '.join(known)}"
             )
 

@@ -6,8 +6,11 @@ import csv
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from symattn_cli.commands.report import paths_override, positional_paths
+from symattn_cli.commands.report import collect, paths_override, positional_paths
+from symattn_cli.configs.base import ReportConfig
+from symattn_cli.errors import ConfigError
 from symattn_cli.train.runfile import read_choices_yaml, read_summary, read_table
 from tests.helpers import TINY_TRAIN, run_symattn
 from tests.report.runfiles import write_run
@@ -131,3 +134,20 @@ def test_quoted_paths_reach_the_config(workdir):
     result = run_symattn("report", "a b,c", "--cfg", "job", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "- a b,c" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("metrics", ["tst_acc"], "metrics: 'tst_acc' is not a summary metric"),
+        ("sort_by", "tst_acc", "sort_by: 'tst_acc' is not a summary metric"),
+        ("curves", ["val_nope"], "curves: 'val_nope' is not an epoch metric"),
+        ("group_by", ["modle"], "group_by: 'modle' is neither a config group"),
+    ],
+)
+def test_bad_options_name_the_value_and_the_choices(tmp_path, monkeypatch, key, value, message):
+    write_run(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(ReportConfig(paths=["run"])), {key: value})
+    with pytest.raises(ConfigError, match=message):
+        collect(cfg)

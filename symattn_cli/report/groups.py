@@ -44,9 +44,9 @@ class Group:
             values = self.values(metric)
             row[f"{metric}_mean"] = float(values.mean()) if len(values) else math.nan
             row[f"{metric}_std"] = float(values.std(ddof=1)) if len(values) > 1 else math.nan
-        epochs = self.values("best_epoch")
-        row["best_epoch_min"] = float(epochs.min()) if len(epochs) else math.nan
-        row["best_epoch_max"] = float(epochs.max()) if len(epochs) else math.nan
+            if metric == "best_epoch":
+                row["best_epoch_min"] = float(values.min()) if len(values) else math.nan
+                row["best_epoch_max"] = float(values.max()) if len(values) else math.nan
         parameters = self.values("parameters")
         row["parameters"] = float(parameters.mean()) if len(parameters) else math.nan
         return row

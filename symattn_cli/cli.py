@@ -18,6 +18,10 @@ COMMANDS = {
         "measure equivariance error per group element, layer and model",
     ),
     "benchmark": ("symattn_cli.commands.benchmark", "time and memory of layers and models"),
+    "report": (
+        "symattn_cli.commands.report",
+        "compare runs: final metrics per group of runs, CSV, Markdown, HDF5, plots",
+    ),
 }
 
 USAGE = """\
@@ -31,7 +35,8 @@ commands:
 Each command is a Hydra application: `symattn train --help` lists its config groups,
 `symattn train model=r8_sa data=rotmnist trainer.epochs=5` overrides values,
 `symattn train -m model=z2_sa,r4_sa seed=0,1` sweeps, `symattn train --cfg job` prints the
-composed config. Runs land in outputs/<command>/<time>/ with one run.h5 each.
+composed config. Runs land in outputs/<command>/<time>/ with one run.h5 each;
+`symattn report multirun/train/<date>/<time>` compares the runs of a sweep.
 
 options:
   -h, --help           show this message

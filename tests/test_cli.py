@@ -19,7 +19,7 @@ def test_help_lists_commands_without_importing_torch():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=symattn_env(), check=True
     ).stdout
-    for command in ("train", "verify-equivariance", "benchmark"):
+    for command in ("train", "verify-equivariance", "benchmark", "report"):
         assert command in out
     assert "HEAVY []" in out
 

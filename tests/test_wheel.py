@@ -59,3 +59,6 @@ def test_wheel_installs_and_runs_outside_checkout(tmp_path: Path):
     assert tiny.returncode == 0, tiny.stderr
     assert "test_acc" in tiny.stdout
     assert list((outside / "outputs").rglob("run.h5")), os.listdir(outside)
+    report = run("report", "outputs/train", "plot=false")
+    assert report.returncode == 0, report.stderr
+    assert "1 finished run in 1 group" in report.stdout

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _num(value: Any, spec: str) -> str:
+def number(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``; ``-`` for a missing or NaN value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
@@ -33,7 +34,7 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
         for name in ("s", "cpu s", "img/s", "MB", "FLOPs", "%GEMM"):
             table.add_column(f"{short} {name}", justify="right", no_wrap=True)
     for row in rows:
-        cells = [row["label"], _num(row.get("params"), ",.0f")]
+        cells = [row["label"], number(row.get("params"), ",.0f")]
         if row.get("status") != "ok":
             cells += [f"[red]{row.get('status')}[/red]"] + ["-"] * (6 * len(modes) - 1)
             table.add_row(*cells)
@@ -42,12 +43,12 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
             time_s, iqr = row.get(f"{mode}_time_s"), row.get(f"{mode}_time_iqr_s")
             fraction = row.get(f"{mode}_flop_fraction")
             cells += [
-                f"{_num(time_s, '.4f')} ± {_num(iqr, '.4f')}",
-                _num(row.get(f"{mode}_cpu_s"), ".4f"),
-                _num(row.get(f"{mode}_items_per_s"), ".4g"),
-                _num(row.get(f"{mode}_mem_mb"), ".1f"),
+                f"{number(time_s, '.4f')} ± {number(iqr, '.4f')}",
+                number(row.get(f"{mode}_cpu_s"), ".4f"),
+                number(row.get(f"{mode}_items_per_s"), ".4g"),
+                number(row.get(f"{mode}_mem_mb"), ".1f"),
                 _flops(row.get(f"{mode}_flops")),
-                _num(None if fraction is None else 100 * fraction, ".2f"),
+                number(None if fraction is None else 100 * fraction, ".2f"),
             ]
         table.add_row(*cells)
     return table
@@ -67,11 +68,11 @@ def reference_table(rows: Sequence[dict[str, Any]]):
             continue
         table.add_row(
             row["label"],
-            _num(row["train_time_s"], ".3f"),
-            _num(row["ref_time_s"], ".1f"),
+            number(row["train_time_s"], ".3f"),
+            number(row["ref_time_s"], ".1f"),
             f"{row['time_ratio']:.1f}×",
-            _num(row["train_mem_mb"] / 1e3, ".4f"),
-            _num(row["ref_mem_gb"], ".2f"),
+            number(row["train_mem_mb"] / 1e3, ".4f"),
+            number(row["ref_mem_gb"], ".2f"),
             f"{row['mem_ratio']:.1f}×",
             "yes" if row["meets_target"] else "[red]no[/red]",
         )

@@ -114,6 +114,7 @@ def train(cfg: Any) -> dict[str, float]:
             step_metrics=names["step"],
             summary_metrics=names["summary"],
             weights={k: v.detach().cpu().numpy() for k, v in model.state_dict().items()},
+            choices=_choices(),
         )
     tracker = start_run_tracker(
         cfg,
@@ -165,6 +166,15 @@ def train(cfg: Any) -> dict[str, float]:
     if world.is_main:
         _report(summary, run_file.path, [("curves", curves), ("attention maps", attention)])
     return summary
+
+
+def _choices() -> str:
+    """The option picked in each config group (``model: r4_mini``), as YAML, for reports."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    choices = HydraConfig.get().runtime.choices
+    return OmegaConf.to_yaml({k: v for k, v in choices.items() if not k.startswith("hydra/")})
 
 
 def _draw_curves(path: Path, tracker, title: str) -> Path | None:

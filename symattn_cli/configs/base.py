@@ -1,4 +1,4 @@
-"""Typed (structured) configs of the runner: trainer, logger and the three commands.
+"""Typed (structured) configs of the runner: trainer, logger and the commands.
 
 These dataclasses are the schemas Hydra checks overrides against, so ``trainer.epochs=ten``
 fails with a one-line error. They are plain data: the builders in ``models``, ``data`` and
@@ -93,8 +93,32 @@ class BenchmarkConfig:
     name: str = "benchmark"
 
 
+@dataclass
+class ReportConfig:
+    """``symattn report PATH...``: compare the runs behind ``paths``.
+
+    Empty lists mean "automatic": ``group_by`` the config values that differ between the runs
+    (a config group by its option, ``model``; else dotted keys, ``data.variant``), ``metrics``
+    every test score, ``curves`` the validation score and the training loss.
+    """
+
+    paths: list[str] = field(default_factory=list)  # run dirs, run.h5 files, sweep dirs; globs
+    metrics: list[str] = field(default_factory=list)  # summary metrics (test_acc, best_val_acc)
+    group_by: list[str] = field(default_factory=list)  # config groups or keys; [] = what differs
+    ignore: list[str] = field(  # never columns of the automatic grouping (seed: runs collapse)
+        default_factory=lambda: ["seed", "logger", "trainer.progress",
+                                 "trainer.log_every_steps", "resume", "data_root", "name"]
+    )  # fmt: skip
+    sort_by: str = ""  # a metric: best group first; "" = order of first appearance
+    curves: list[str] = field(default_factory=list)  # epoch metrics (val_acc, train_loss)
+    title: str = ""
+    plot: bool = True
+    name: str = "report"
+
+
 SCHEMAS: list[tuple[str | None, str, Any]] = [
     (None, "train_schema", TrainConfig),
+    (None, "report_schema", ReportConfig),
     (None, "verify_schema", VerifyConfig),
     (None, "benchmark_schema", BenchmarkConfig),
     (None, "trainer_schema", TrainerConfig),

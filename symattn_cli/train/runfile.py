@@ -3,7 +3,8 @@
 Schema (``format = "symattn-run"``, ``format_version = 2``; documented in the README):
 
     /                        attrs: format, format_version, command, created, symattn_version
-    /config                  attrs: yaml (the resolved config), seed
+    /config                  attrs: yaml (the resolved config), choices (YAML: the option
+                                    chosen in each config group, e.g. model: r4_mini)
     /env                     attrs: git_commit, git_dirty, python, torch, h5py, numpy, platform,
                                     device, device_name, threads
     /metrics/epoch/<name>    float64 (E,) resizable, one row per finished epoch
@@ -82,8 +83,12 @@ class RunFile:
         summary_metrics: Iterable[str],
         weights: Mapping[str, np.ndarray] | None = None,
         extra: Mapping[str, Any] | None = None,
+        choices: str = "",
     ) -> RunFile:
-        """Create the file with every dataset it will ever need, then enter SWMR mode."""
+        """Create the file with every dataset it will ever need, then enter SWMR mode.
+
+        ``choices``: YAML of the option picked in each config group (``model: r4_mini``), so
+        that a report can name a run's model as the command line did."""
         import datetime
 
         from symattn_cli import __version__
@@ -103,6 +108,8 @@ class RunFile:
         h5.attrs["symattn_version"] = __version__
         config = h5.create_group("config")
         config.attrs["yaml"] = config_yaml
+        if choices:
+            config.attrs["choices"] = choices
         env_group = h5.create_group("env")
         for key, value in env.items():
             env_group.attrs[key] = value if isinstance(value, (bool, int, float)) else str(value)
@@ -396,6 +403,40 @@ def read_status(path: Path) -> str:
 def read_config_yaml(path: Path) -> str:
     with h5py.File(path, "r", libver="latest", swmr=True) as h5:
         return str(h5["config"].attrs["yaml"])
+
+
+def read_choices_yaml(path: Path) -> str:
+    """The config-group options the run was composed from (YAML), or ``""`` if not stored."""
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return str(h5["config"].attrs.get("choices", ""))
+
+
+def read_env(path: Path) -> dict[str, Any]:
+    """The ``/env`` attributes: commit, versions, device, threads."""
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return {key: _plain(value) for key, value in h5["env"].attrs.items()}
+
+
+def read_command(path: Path) -> str:
+    """The command that wrote the file (``train``, ``benchmark``, ...)."""
+    with h5py.File(path, "r", libver="latest", swmr=True) as h5:
+        return str(h5.attrs.get("command", ""))
+
+
+def writer_alive(path: Path) -> bool:
+    """Whether the process named in ``/writer`` still runs (True when it cannot be told: a
+    writer on another machine)."""
+    writer = _read_string(path, "writer")
+    host, _, _ = writer.rpartition(":")
+    if host != socket.gethostname():
+        return True
+    return _writer_alive(writer)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def read_weights(path: Path) -> dict[str, np.ndarray]:

@@ -1,0 +1,114 @@
+"""The report's plots: each metric per group with error bars, and learning curves overlaid.
+
+``metrics.png``: one panel per metric, a point per group at the mean with a ± std error bar,
+each run as a small dot beside it. ``curves.png``: one panel per epoch metric (the validation
+score and the training loss by default), a line per group at the mean over its runs with a
+± std band. Agg backend, so no display is needed.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from symattn_cli.report.groups import Group
+from symattn_cli.report.tables import header, is_score
+
+METRICS_FILE = "metrics.png"
+CURVES_FILE = "curves.png"
+
+
+def group_name(group: Group) -> str:
+    return ", ".join(group.label.values()) or "all runs"
+
+
+def _colours(count: int) -> list:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if count <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(count)]
+
+
+def plot_metrics(groups: Sequence[Group], metrics: Sequence[str], path: Path,
+                 title: str = "") -> Path | None:  # fmt: skip
+    """``path`` with one panel per metric; ``None`` when there is nothing to draw."""
+    if not groups or not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = max(5.0, 0.55 * len(groups) + 1.5)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), 4.2), squeeze=False)
+    colours = _colours(len(groups))
+    names = [group_name(g) for g in groups]
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        scale = 100.0 if is_score(metric) else 1.0
+        for x, (group, colour) in enumerate(zip(groups, colours, strict=True)):
+            values = scale * group.values(metric)
+            if len(values) == 0:
+                continue
+            std = values.std(ddof=1) if len(values) > 1 else 0.0
+            ax.errorbar([x], [values.mean()], yerr=[std], fmt="o", color=colour, capsize=4, ms=6)
+            ax.plot(np.full(len(values), x + 0.18), values, ".", color=colour, alpha=0.5, ms=4)
+        ax.set_xticks(range(len(groups)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel(header(metric))
+        ax.grid(axis="y", alpha=0.3)
+    caption = f"{title}\n" if title else ""
+    caption += "mean ± std over runs; dots: single runs"
+    fig.suptitle(_wrap(caption, fig), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_curves(groups: Sequence[Group], metrics: Sequence[str], path: Path,
+                title: str = "") -> Path | None:  # fmt: skip
+    """``path`` with one panel per epoch metric; ``None`` when no run has an epoch of any."""
+    drawn = [m for m in metrics if any(len(r.epochs.get(m, ())) for g in groups for r in g.runs)]
+    if not groups or not drawn:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5.5 * len(drawn), 4.0), squeeze=False)
+    colours = _colours(len(groups))
+    for ax, metric in zip(axes[0], drawn, strict=True):
+        scale = 100.0 if is_score(metric) else 1.0
+        for group, colour in zip(groups, colours, strict=True):
+            series = [r.epochs[metric] for r in group.runs if len(r.epochs.get(metric, ()))]
+            if not series:
+                continue
+            length = min(len(s) for s in series)  # epochs every run of the group has
+            values = scale * np.stack([s[:length] for s in series])  # (runs, epochs)
+            epochs = group.runs[0].epochs["epoch"][:length]
+            mean = values.mean(axis=0)
+            ax.plot(epochs, mean, marker="o", ms=3, color=colour, label=group_name(group))
+            if len(series) > 1:
+                std = values.std(axis=0, ddof=1)
+                ax.fill_between(epochs, mean - std, mean + std, color=colour, alpha=0.15)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(header(metric))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6, loc="best")
+    caption = f"{title}\n" if title else ""
+    fig.suptitle(_wrap(caption + "mean over runs, band ± std", fig), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _wrap(text: str, fig) -> str:
+    """``text`` broken into lines that fit the figure's width at the caption's font size."""
+    characters = int(fig.get_figwidth() * 13)
+    return "\n".join(textwrap.fill(line, characters) for line in text.splitlines())

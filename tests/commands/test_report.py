@@ -1,0 +1,153 @@
+"""``symattn report`` end to end: a real sweep, unfinished runs, errors, positional paths."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from symattn_cli.commands.report import collect, paths_override, positional_paths
+from symattn_cli.configs.base import ReportConfig
+from symattn_cli.errors import ConfigError
+from symattn_cli.train.runfile import read_choices_yaml, read_summary, read_table
+from tests.helpers import TINY_TRAIN, run_symattn
+from tests.report.runfiles import write_run
+
+OUTPUTS = ("report.csv", "report.md", "report.h5", "metrics.png", "curves.png")
+
+
+@pytest.mark.slow
+def test_report_of_a_sweep_of_two_models_and_two_seeds(workdir):
+    sweep = workdir / "sweep"
+    args = [a for a in TINY_TRAIN if not a.startswith("model")]
+    trained = run_symattn(
+        "train", "-m", *args, "model=cnn_mini,gcnn_mini", "seed=0,1",
+        "trainer.epochs=2", "trainer.max_steps_per_epoch=3", f"hydra.sweep.dir={sweep}",
+        cwd=workdir,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    runs = sorted(sweep.glob("*/run.h5"))
+    assert len(runs) == 4
+    assert "model: cnn_mini" in read_choices_yaml(runs[0])  # the option, as on the command line
+
+    out = workdir / "report"
+    result = run_symattn("report", "sweep", f"hydra.run.dir={out}", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "4 finished runs in 2 groups" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if "_mini" in line]
+    assert len(lines) == 2 and "cnn_mini" in lines[0] and "gcnn_mini" in lines[1]
+    assert all("│ 2 │" in line and "±" in line for line in lines)  # n = 2, mean ± std
+
+    accs = {}
+    for path in runs:
+        model = "gcnn_mini" if int(path.parent.name) >= 2 else "cnn_mini"  # sweep order
+        accs.setdefault(model, []).append(read_summary(path)["test_acc"])
+    with open(out / "report.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["model"] for row in rows] == ["cnn_mini", "gcnn_mini"]
+    for row in rows:
+        assert row["n"] == "2"
+        assert float(row["test_acc_mean"]) == pytest.approx(np.mean(accs[row["model"]]))
+        assert float(row["test_acc_std"]) == pytest.approx(np.std(accs[row["model"]], ddof=1))
+        assert float(row["best_epoch_mean"]) in (1.0, 1.5, 2.0)
+        assert float(row["train_time_s_mean"]) > 0 and float(row["parameters"]) > 0
+
+    groups = read_table(out / "report.h5", "groups")
+    assert list(groups["model"]) == ["cnn_mini", "gcnn_mini"] and list(groups["n"]) == [2, 2]
+    assert np.allclose(groups["test_acc_mean"], [float(r["test_acc_mean"]) for r in rows])
+    per_run = read_table(out / "report.h5", "runs")
+    assert list(per_run["status"]) == ["finished"] * 4 and list(per_run["seed"]) == list("0101")
+    assert read_summary(out / "report.h5")["groups"] == 2
+
+    markdown = (out / "report.md").read_text()
+    assert "| model | n | test_acc (%) | best epoch | train s | params |" in markdown
+    assert markdown.count("| 2 |") == 2
+    for name in ("metrics.png", "curves.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+def test_unfinished_and_failed_runs_are_listed_not_averaged(workdir):
+    sweep = workdir / "sweep"
+    write_run(sweep / "0", seed=0, test_acc=0.6)
+    write_run(sweep / "1", seed=1, test_acc=0.8)
+    write_run(sweep / "2", seed=2, status="failed", epochs=1)
+    write_run(sweep / "3", seed=3, status="stopped", epochs=1)
+    live = write_run(sweep / "4", seed=4, epochs=1, planned=3, keep_open=True)
+    try:
+        result = run_symattn("report", "sweep", "hydra.run.dir=rep", cwd=workdir)
+    finally:
+        live.close()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "2 finished runs in 1 group" in out and "3 not averaged" in out
+    assert "70.00 ± 14.14" in out  # the two finished runs only
+    for status, note in (("failed", ""), ("stopped", "resume="), ("running", "still training")):
+        line = next(x for x in out.splitlines() if f"│ {status}" in x)
+        assert note in line
+    assert "1/3" in out  # the live run's epochs so far
+    per_run = read_table(workdir / "rep" / "report.h5", "runs")
+    assert list(per_run["status"]) == ["finished", "finished", "failed", "stopped", "running"]
+    assert "not averaged" in (workdir / "rep" / "report.md").read_text()
+
+
+def test_bad_path_and_empty_directory_are_one_line_errors(workdir):
+    result = run_symattn("report", "nowhere", cwd=workdir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "'nowhere' does not exist" in result.stderr
+    (workdir / "empty").mkdir()
+    result = run_symattn("report", "empty", cwd=workdir)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "'empty' holds no run file" in result.stderr
+    result = run_symattn("report", cwd=workdir)
+    assert result.returncode == 2 and "no runs to report on" in result.stderr
+    assert not [p for p in workdir.rglob("report.*") if p.suffix != ".log"]  # nothing written
+
+
+def test_a_report_never_overwrites_files(workdir):
+    write_run(workdir / "run", test_acc=0.5)
+    first = run_symattn("report", "paths=[run]", "plot=false", "hydra.run.dir=rep", cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    before = (workdir / "rep" / "report.md").read_text()
+    assert not (workdir / "rep" / ".hydra").exists()  # the config is in report.h5
+    second = run_symattn("report", "run", "hydra.run.dir=rep", cwd=workdir)
+    assert second.returncode == 2 and "already exists" in second.stderr
+    assert "hydra.run.dir" in second.stderr
+    assert (workdir / "rep" / "report.md").read_text() == before
+
+
+def test_positional_paths_become_the_paths_override(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model=a,seed=0").mkdir()  # a job directory named by Hydra's override_dirname
+    args = ["runs/a", "model=a,seed=0", "metrics=[test_acc]", "-m", "--cfg", "job", "~/x",
+            "+extra=1", "--info", "config", "-sc", "query=bash"]  # fmt: skip
+    paths, rest = positional_paths(args)
+    assert paths == ["runs/a", "model=a,seed=0", "~/x"]
+    assert rest == ["metrics=[test_acc]", "-m", "--cfg", "job", "+extra=1", "--info", "config",
+                    "-sc", "query=bash"]  # fmt: skip
+    assert paths_override(["a b", "it's"]) == "paths=['a b','it\\'s']"
+
+
+def test_quoted_paths_reach_the_config(workdir):
+    write_run(workdir / "a b,c" / "0", test_acc=0.5)
+    result = run_symattn("report", "a b,c", "--cfg", "job", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "- a b,c" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("metrics", ["tst_acc"], "metrics: 'tst_acc' is not a summary metric"),
+        ("sort_by", "tst_acc", "sort_by: 'tst_acc' is not a summary metric"),
+        ("curves", ["val_nope"], "curves: 'val_nope' is not an epoch metric"),
+        ("group_by", ["modle"], "group_by: 'modle' is neither a config group"),
+    ],
+)
+def test_bad_options_name_the_value_and_the_choices(tmp_path, monkeypatch, key, value, message):
+    write_run(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(ReportConfig(paths=["run"])), {key: value})
+    with pytest.raises(ConfigError, match=message):
+        collect(cfg)

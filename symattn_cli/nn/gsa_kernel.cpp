@@ -441,7 +441,6 @@ template <typename S>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
                    typename Tile<S>::V* drho_local) {
   using V = typename Tile<S>::V;
-  constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
   const int64_t rows = p.rows();
   // go at the tile's queries, (V, d); 0 on lanes without a query of their own

@@ -22,10 +22,8 @@ import torch
 from symattn_cli.nn import gsa_core
 
 ENV = "TRITON_INTERPRET"
-# Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers. For
-# r8 (BM = BG = BT = 8): 16 neighbours a block; compiled for sm_90 the sum form's backward takes
-# 168 registers a thread, no spills (twice the block: 255, the most a thread has). Not tuned by
-# measurements on a GPU.
+# Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
+# so that the sum form's backward compiles without register spills (r8: 16 neighbours a block).
 BLOCK_ELEMENTS = 1024
 NUM_WARPS = 4
 

@@ -21,9 +21,9 @@ def pytest_configure(config) -> None:
 def _native_attention_core() -> None:
     """Builds (or loads) the C++ attention core once, before any test starts ``symattn`` in
     a subprocess, which would otherwise compile it within that test's time limit."""
-    from symattn_cli.nn import gsa_native
+    from symattn_cli.nn.gsa import cpp as gsa_cpp
 
-    gsa_native.load()
+    gsa_cpp.load()
 
 
 @pytest.fixture

@@ -44,8 +44,9 @@ def test_wheel_installs_and_runs_outside_checkout(tmp_path: Path):
     ).stdout  # fmt: skip
     assert where.startswith(str(target)), where
     assert (target / "symattn_cli" / "conf" / "train.yaml").is_file()
-    assert (target / "symattn_cli" / "nn" / "gsa_kernel.cpp").is_file()  # built on first use
-    assert (target / "symattn_cli" / "nn" / "gsa_triton_kernel.py").is_file()  # Triton reads it
+    gsa = target / "symattn_cli" / "nn" / "gsa"
+    assert (gsa / "cpp_kernel.cpp").is_file()  # built on first use
+    assert (gsa / "triton_kernel.py").is_file()  # Triton reads it
 
     help_ = run("--help")
     assert help_.returncode == 0 and "verify-equivariance" in help_.stdout

@@ -69,7 +69,7 @@ class Case:
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
     ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
     GSA layers and nets run their attention core on ``attention_backend`` (``auto``: the
-    device's default; see :data:`symattn_cli.nn.gsa_core.BACKENDS`).
+    device's default; see :data:`symattn_cli.nn.gsa.core.BACKENDS`).
     """
 
     kind: str = "layer"
@@ -367,14 +367,9 @@ def prime_runtime(device: Any) -> float:
 
 def _attention_backend(module: Any, device: Any) -> str:
     """The attention core's backend in ``module`` on ``device`` ("" without attention)."""
-    from symattn_cli.nn.gsa_core import backend_for
+    from symattn_cli.nn.gsa.core import attention_backends
 
-    backends = {
-        backend_for(device, backend=m.attention_backend)
-        for m in module.modules()
-        if hasattr(m, "attention_backend")
-    }
-    return ",".join(sorted(backends))
+    return attention_backends(module, device)
 
 
 def measure_case(case: Case, settings: Settings) -> dict[str, Any]:

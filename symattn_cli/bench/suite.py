@@ -231,7 +231,7 @@ def select_cases(
     """Filter by ``groups``/``models``/``layers``; set every case's batch, image and patch
     sizes, and every attention case's backend, to each value given (a product); drop
     duplicates, keep the order."""
-    from symattn_cli.nn.gsa_core import BACKENDS
+    from symattn_cli.nn.gsa.core import BACKENDS
 
     check_names(models, layers)
     bad = [name for name in attention_backends if name not in BACKENDS]

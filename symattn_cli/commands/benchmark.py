@@ -132,7 +132,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
 
     from symattn_cli.bench import report
     from symattn_cli.bench.measure import matmul_gflops
-    from symattn_cli.nn.gsa_core import backend_for
+    from symattn_cli.nn.gsa.core import backend_for
     from symattn_cli.train.runfile import write_results_file
 
     settings = _settings(cfg, preset)
@@ -168,7 +168,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     )
     if auto != "cpp" and settings.device == "cpu":
         print(
-            "note: the GSA attention runs its plain PyTorch backend (SYMATTN_NATIVE=0, or the "
+            "note: the GSA attention runs its plain PyTorch backend (SYMATTN_CPP=0, or the "
             "C++ kernel did not build: see the warning above); its times are not the kernel's",
             flush=True,
         )

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from symattn_cli.data.base import IGNORE_INDEX, DataBundle
 from symattn_cli.errors import ConfigError, UserError
-from symattn_cli.nn.gsa_core import backend_for
+from symattn_cli.nn.gsa.core import attention_backends
 from symattn_cli.train.distributed import World, sum_across
 from symattn_cli.train.progress import Progress
 from symattn_cli.train.runfile import RunFile
@@ -309,13 +309,9 @@ class Trainer:
         where = f"device {self.device}"
         if self.device.type == "cpu":
             where += f" ({torch.get_num_threads()} threads"
-            backends = {
-                backend_for(self.device, backend=m.attention_backend)
-                for m in self.model.modules()
-                if hasattr(m, "attention_backend")
-            }
+            backends = attention_backends(self.model, self.device)
             if backends:
-                where += f", attention backend {','.join(sorted(backends))}"
+                where += f", attention backend {backends}"
             where += ")"
         self.progress.message(
             f"model: {type(self.model).__name__}, {count_parameters(self.model):,} parameters, "

@@ -24,7 +24,7 @@ from symattn_cli.bench.suite import (
     select_cases,
 )
 from symattn_cli.errors import ConfigError
-from symattn_cli.nn import gsa_native
+from symattn_cli.nn.gsa import cpp as gsa_cpp
 from symattn_cli.train.runfile import read_summary, read_table
 from tests.helpers import read_wandb_file, run_symattn
 
@@ -234,7 +234,7 @@ def test_measure_fresh_runs_in_a_child_process():
     assert row["runtime_init_mb"] >= 0 and "forward_time_s" not in row
     assert row["omp_wait_policy"] == "PASSIVE" and row["train_cpu_s"] > 0
     # the child process found the C++ attention kernel (the test session built it)
-    assert row["attention_backend"] == ("cpp" if gsa_native.enabled() else "torch")
+    assert row["attention_backend"] == ("cpp" if gsa_cpp.enabled() else "torch")
 
 
 def test_measure_fresh_reports_a_failed_case():
@@ -255,7 +255,7 @@ def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
     assert result.returncode == 0, result.stderr
     path = out / "run.h5"
     assert "growth exponents" in result.stdout and f"run file: {path}" in result.stdout
-    assert "attention backend cpp" in result.stdout or not gsa_native.enabled()
+    assert "attention backend cpp" in result.stdout or not gsa_cpp.enabled()
 
     cases = read_table(path, "cases")
     n = len(cases["label"])
@@ -316,7 +316,7 @@ def test_attention_backends_option_measures_each_backend(workdir: Path):
     """One command compares backends on one device: here the C++ kernel and the plain PyTorch
     core on the CPU (on a GPU: ``attention_backends=[triton,torch]``)."""
     out = workdir / "backends"
-    backends = ["cpp", "torch"] if gsa_native.enabled() else ["torch"]
+    backends = ["cpp", "torch"] if gsa_cpp.enabled() else ["torch"]
     result = run_symattn(
         "benchmark", "preset=quick", "groups=[z2]", "layers=[gsa]",
         f"attention_backends=[{','.join(backends)}]", "repeats=1", "warmup=0",

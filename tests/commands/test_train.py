@@ -16,7 +16,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from symattn_cli.nn import gsa_native
+from symattn_cli.nn.gsa import cpp as gsa_cpp
 from symattn_cli.train.runfile import (
     check_run_file,
     read_metrics,
@@ -169,7 +169,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir, args):
     # the CPU budget (every core by default), and for a GSA-Net the attention backend
     line = next(x for x in reference.stdout.splitlines() if x.startswith("model: "))
     if "model=gsa_mini" in args:
-        assert " threads, attention backend cpp)" in line or not gsa_native.enabled(), line
+        assert " threads, attention backend cpp)" in line or not gsa_cpp.enabled(), line
     else:
         assert " threads)" in line and "attention" not in line, line
     expected = read_summary(workdir / "ref" / "run.h5")

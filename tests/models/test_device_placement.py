@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import symattn_cli
-import symattn_cli.nn.gsa_core as core
+import symattn_cli.nn.gsa.core as core
 from symattn_cli.models.registry import default_spec, model_config
 from symattn_cli.nn.gsa import AUTO_CHUNK
 from tests.helpers import values_and_gradients

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from symattn_cli.nn import gsa_native
+from symattn_cli.nn.gsa import cpp as gsa_cpp
 
 
 @pytest.fixture
 def kernel() -> None:
     """For tests of the fused CPU kernel: it must build here (a C++ compiler and ninja) unless
-    SYMATTN_NATIVE=0 says not to use it."""
-    if not gsa_native.enabled():
-        pytest.skip(f"{gsa_native.ENV}=0: the C++ kernel is turned off")
-    assert gsa_native.load() is not None, "the C++ attention kernel did not build"
+    SYMATTN_CPP=0 says not to use it."""
+    if not gsa_cpp.enabled():
+        pytest.skip(f"{gsa_cpp.ENV}=0: the C++ kernel is turned off")
+    assert gsa_cpp.load() is not None, "the C++ attention kernel did not build"
 
 
 @pytest.fixture(params=["cpp", "torch"])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import symattn_cli.nn.gsa_core as core
+import symattn_cli.nn.gsa.core as core
 from symattn_cli.groups import GROUP_NAMES, get_group
 from symattn_cli.nn.gsa import GroupSelfAttention
 from symattn_cli.verify.gsa import build_probe, layer_equivariance, randomize_encodings

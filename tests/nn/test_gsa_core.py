@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import symattn_cli.nn.gsa_core as core
-from symattn_cli.nn.gsa_core import dense_attention, factorised_attention, keep_mask
+import symattn_cli.nn.gsa.core as core
+from symattn_cli.nn.gsa.common import keep_mask
+from symattn_cli.nn.gsa.core import factorised_attention
+from symattn_cli.nn.gsa.dense import dense_attention
 
 
 def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=None, d=5, e=2, local=True, seed=0):

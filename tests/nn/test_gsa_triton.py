@@ -12,11 +12,12 @@ import sys
 import pytest
 import torch
 
-import symattn_cli.nn.gsa_core as core
+import symattn_cli.nn.gsa.common as common
+import symattn_cli.nn.gsa.core as core
 from symattn_cli.groups import get_group
-from symattn_cli.nn import gsa_triton
 from symattn_cli.nn.gsa import GroupSelfAttention
-from symattn_cli.nn.gsa_core import factorised_attention
+from symattn_cli.nn.gsa import triton as gsa_triton
+from symattn_cli.nn.gsa.core import factorised_attention
 from symattn_cli.verify.gsa import build_probe, layer_equivariance
 from tests.helpers import REPO, symattn_env, values_and_gradients
 
@@ -195,7 +196,7 @@ def compile_for_gpu(arch: int = 90) -> None:
         q, k, v, g_rho = (None if t is None else t.to(dtype) for t in (q, k, v, g_rho))
         rho = rho.to(dtype) if spatial else None
         gl = core.group_logits(q, g_rho)
-        threshold = round(drop * core.DROP_STEPS)
+        threshold = round(drop * common.DROP_STEPS)
         single = form == "single"
         _, args, meta = gsa_triton._program(q, k, v, gl, rho, offsets, nb, valid, single, n,
                                             threshold, 0x123456789)  # fmt: skip

@@ -23,12 +23,12 @@ Two query forms:
   ``"sum"`` (GSA-Nets Eq. 15-16): out(i, v) = sum_g softmax_{(j, m)}(...) val_jm, one softmax
       per (v, g). The spatial term does not depend on m and the others not on v, so each
       softmax is an inner softmax over m times an outer softmax over j
-      (:mod:`symattn_cli.nn.gsa_core`): the N^3 P^2 logit tensor of the reference is never
+      (:mod:`symattn_cli.nn.gsa.core`): the N^3 P^2 logit tensor of the reference is never
       formed, only N^2 P^2 ones, a chunk of queries at a time.
   ``"single"``: one query per output element, g = v: N times cheaper, same law.
 Lifting is the ``"sum"`` form with one query and one key element per point.
 
-Memory and speed: the core (:mod:`symattn_cli.nn.gsa_core`) keeps only q, k, v and the
+Memory and speed: the core (:mod:`symattn_cli.nn.gsa.core`) keeps only q, k, v and the
 encodings for the backward pass and recomputes the rest there. On CPU it runs a fused C++
 kernel over torch's intra-op threads, on CUDA a fused Triton kernel; elsewhere (or with
 ``attention_backend="torch"``) a plain PyTorch version over chunks of queries
@@ -46,12 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from symattn_cli.groups import Group, grid_coordinates
-from symattn_cli.nn.gsa_core import (
-    BACKENDS,
-    dense_attention,
-    dense_weights,
-    factorised_attention,
-)
+from symattn_cli.nn.gsa.core import BACKENDS, factorised_attention
+from symattn_cli.nn.gsa.dense import dense_attention, dense_weights
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")

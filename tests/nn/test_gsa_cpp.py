@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symattn_cli.nn import gsa_core, gsa_native
-from symattn_cli.nn.gsa_core import factorised_attention
+from symattn_cli.nn.gsa import core as gsa_core
+from symattn_cli.nn.gsa import cpp as gsa_cpp
+from symattn_cli.nn.gsa.core import factorised_attention
 
 from .test_gsa_core import _inputs
 
 
 def test_turned_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv(gsa_native.ENV, "0")
-    assert not gsa_native.enabled() and gsa_native.load() is None
-    monkeypatch.setenv(gsa_native.ENV, "1")
-    assert gsa_native.enabled()
+    monkeypatch.setenv(gsa_cpp.ENV, "0")
+    assert not gsa_cpp.enabled() and gsa_cpp.load() is None
+    monkeypatch.setenv(gsa_cpp.ENV, "1")
+    assert gsa_cpp.enabled()
 
 
 def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch, tmp_path):
@@ -25,16 +26,16 @@ def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch, tmp_path)
     def broken(**kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(gsa_native, "_STATE", {})
+    monkeypatch.setattr(gsa_cpp, "_STATE", {})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", broken)
     with pytest.warns(RuntimeWarning, match="Ninja is required.*pip install ninja"):
-        assert gsa_native.load() is None
+        assert gsa_cpp.load() is None
     # the attention still works, on the torch backend, and the failure is not retried
     q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs()
     assert gsa_core.backend_for("cpu") == "torch"
     out = factorised_attention(q, k, v, g_rho, rho, offsets, nb, valid, form="sum", n=n)
-    assert torch.isfinite(out).all() and gsa_native._STATE == {"module": None}
+    assert torch.isfinite(out).all() and gsa_cpp._STATE == {"module": None}
 
 
 def test_the_build_lock_clears_a_lock_file_left_by_a_killed_build(tmp_path):
@@ -44,22 +45,22 @@ def test_the_build_lock_clears_a_lock_file_left_by_a_killed_build(tmp_path):
     folder = tmp_path / "build"
     folder.mkdir()
     (folder / "lock").write_text("")
-    with gsa_native._build_lock(folder):
+    with gsa_cpp._build_lock(folder):
         assert not (folder / "lock").exists()
-    assert gsa_native.build_directory().name == gsa_native.NAME
-    assert torch.__version__ in gsa_native.build_directory().parent.name
+    assert gsa_cpp.build_directory().name == gsa_cpp.NAME
+    assert torch.__version__ in gsa_cpp.build_directory().parent.name
 
 
 def test_each_checkout_and_cpu_builds_in_its_own_folder(monkeypatch, tmp_path):
     """torch's builder rebuilds when the source's path changes: two checkouts of the project
     sharing one build folder would rebuild the extension each time the other one ran."""
-    here = gsa_native.build_directory()
-    assert gsa_native.build_directory() == here  # the same checkout: the same folder
-    monkeypatch.setattr(gsa_native, "SOURCE", tmp_path / "other" / "gsa_kernel.cpp")
-    there = gsa_native.build_directory()
+    here = gsa_cpp.build_directory()
+    assert gsa_cpp.build_directory() == here  # the same checkout: the same folder
+    monkeypatch.setattr(gsa_cpp, "SOURCE", tmp_path / "other" / "cpp_kernel.cpp")
+    there = gsa_cpp.build_directory()
     assert there != here and there.parent.parent == here.parent.parent
-    monkeypatch.setattr(gsa_native, "SOURCE", here.parent.parent / "x")
-    monkeypatch.setattr(gsa_native, "_cpu_flags", lambda: "flags: avx2")
-    avx2 = gsa_native.build_directory()
-    monkeypatch.setattr(gsa_native, "_cpu_flags", lambda: "flags: avx512f")
-    assert gsa_native.build_directory() != avx2  # compiled for the host CPU: one per CPU
+    monkeypatch.setattr(gsa_cpp, "SOURCE", here.parent.parent / "x")
+    monkeypatch.setattr(gsa_cpp, "_cpu_flags", lambda: "flags: avx2")
+    avx2 = gsa_cpp.build_directory()
+    monkeypatch.setattr(gsa_cpp, "_cpu_flags", lambda: "flags: avx512f")
+    assert gsa_cpp.build_directory() != avx2  # compiled for the host CPU: one per CPU

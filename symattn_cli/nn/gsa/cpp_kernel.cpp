@@ -1,4 +1,4 @@
-// The fused CPU kernel of the factorised attention core (gsa_core.py states the algorithm and
+// The fused CPU kernel of the factorised attention core (core.py states the algorithm and
 // the letters). Queries are taken a tile of T at a time (one 64-byte vector of lanes: 16
 // floats or 8 doubles), one query per lane: every step of the per-query algorithm below is
 // then a vector operation across the tile, whatever the (small) sizes of J, M, G and d. A
@@ -92,7 +92,7 @@ typename Lanes<S>::V exp_shifted(typename Lanes<S>::V x) {
   return x < low ? V{} : p * reinterpret_cast<const V&>(bits);
 }
 
-// The dropout hash of gsa_core.keep_mask.
+// The dropout hash of common.keep_mask.
 inline uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
@@ -668,6 +668,6 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "fused factorised attention, forward (see gsa_core.py)");
+  m.def("forward", &forward, "fused factorised attention, forward (see core.py)");
   m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)");
 }

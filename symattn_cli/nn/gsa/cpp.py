@@ -1,10 +1,11 @@
-"""The fused CPU kernel of the attention core (``gsa_kernel.cpp``), built on first use.
+"""The ``cpp`` backend of the attention core: the fused CPU kernel (``cpp_kernel.cpp``), built
+on first use.
 
 The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
 once per source, checkout, CPU, torch and Python version) into :func:`build_directory`, under
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
 later processes load the cached build. It is compiled for the host CPU (``-march=native``).
-``SYMATTN_NATIVE=0`` in the environment turns it off. When it cannot be built, a warning names
+``SYMATTN_CPP=0`` in the environment turns it off. When it cannot be built, a warning names
 the reason and the core runs its plain PyTorch backend (the same values, more slowly).
 
 Builds are serialised by an advisory lock that the system releases when its holder dies, so
@@ -27,18 +28,16 @@ from types import ModuleType
 
 import torch
 
-from symattn_cli.nn import gsa_core
-
-SOURCE = Path(__file__).with_name("gsa_kernel.cpp")
+SOURCE = Path(__file__).with_name("cpp_kernel.cpp")
 NAME = "symattn_gsa_kernel"
-ENV = "SYMATTN_NATIVE"
+ENV = "SYMATTN_CPP"
 
 _LOCK = threading.Lock()
 _STATE: dict[str, ModuleType | None] = {}
 
 
 def enabled() -> bool:
-    """False when ``SYMATTN_NATIVE`` is set to 0 (or off / false / no)."""
+    """False when ``SYMATTN_CPP`` is set to 0 (or off / false / no)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
@@ -142,10 +141,10 @@ def _build() -> ModuleType | None:
         notice.cancel()
 
 
-class FusedAttention(torch.autograd.Function):
+class CppAttention(torch.autograd.Function):
     """The kernel's forward and backward as an autograd function on the kernel's layouts, the
     point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L), out
-    (Z, d, V, L); see :func:`fused_attention`."""
+    (Z, d, V, L); see :func:`cpp_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
@@ -162,12 +161,13 @@ class FusedAttention(torch.autograd.Function):
         return *grads, *(None,) * 7
 
 
-def fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed):
-    """The factorised attention (:mod:`symattn_cli.nn.gsa_core`) by the fused CPU kernel,
+def cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the fused CPU kernel,
     without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)`` (a view of a ``(Z, d, V, L)``
     tensor, which the layer's W_out reads without a copy). ``gl`` ``(Z, L, M, G)``: the group
-    logits, or None. The kernel takes the point axis last, so that a tile of consecutive
-    queries, and their neighbours at one offset, are consecutive numbers."""
+    logits, or None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. The
+    kernel takes the point axis last, so that a tile of consecutive queries, and their
+    neighbours at one offset, are consecutive numbers."""
 
     def points_last(t):  # (Z, P, A, B) -> (Z, A, B, P)
         return None if t is None else t.permute(0, 2, 3, 1).contiguous()
@@ -175,9 +175,8 @@ def fused_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, 
     def flat(t):
         return None if t is None else t.contiguous()
 
-    out = FusedAttention.apply(
+    out = CppAttention.apply(
         points_last(q), points_last(k), points_last(v), points_last(gl), flat(rho),
-        flat(offsets), flat(neighbour), flat(valid), form == "single", n,
-        round(drop * gsa_core.DROP_STEPS), seed,
+        flat(offsets), flat(neighbour), flat(valid), single, n, threshold, seed,
     )  # fmt: skip
     return out.permute(0, 3, 2, 1)  # (Z, L, V, d)

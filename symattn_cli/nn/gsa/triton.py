@@ -1,5 +1,5 @@
-"""The fused Triton kernel of the attention core (``gsa_triton_kernel.py``) as an autograd
-function: the attention backend on CUDA.
+"""The ``triton`` backend of the attention core: the fused Triton kernel
+(:mod:`symattn_cli.nn.gsa.triton_kernel`) as an autograd function, the backend on CUDA.
 
 Triton runs kernels compiled for the GPU, or, when ``TRITON_INTERPRET=1`` is set before it is
 imported, in its interpreter for the whole process, on CPU tensors too (its own
@@ -7,9 +7,8 @@ imported, in its interpreter for the whole process, on CPU tensors too (its own
 the kernel is tested on machines without a GPU (``tests/conftest.py`` sets it there); it runs
 each program in Python, far too slowly for anything else.
 
-Half-precision inputs (float16, bfloat16) are computed in float32 and the output cast back;
-under autocast the core hands over float32 already. dk, dv and drho are summed by atomic
-adds, so on a GPU their last bits vary from run to run.
+The dispatcher hands over float32 or float64 tensors (half precision widened). dk, dv and
+drho are summed by atomic adds, so on a GPU their last bits vary from run to run.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import importlib.util
 from types import ModuleType
 
 import torch
-
-from symattn_cli.nn import gsa_core
 
 ENV = "TRITON_INTERPRET"
 # Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
@@ -37,9 +34,9 @@ def available() -> bool:
 
 def kernels() -> ModuleType:
     """The kernel module (imports Triton)."""
-    from symattn_cli.nn import gsa_triton_kernel
+    from symattn_cli.nn.gsa import triton_kernel
 
-    return gsa_triton_kernel
+    return triton_kernel
 
 
 def interpreted() -> bool:
@@ -119,10 +116,11 @@ def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, 
     return kernels(), args, {**flags, **blocks}
 
 
-def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop, seed):
-    """The factorised attention (:mod:`symattn_cli.nn.gsa_core`) by the Triton kernel, without
+def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the Triton kernel, without
     the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``gl`` ``(Z, L, M, G)``: the group logits,
-    or None. CUDA tensors, or CPU tensors in Triton's interpreter."""
+    or None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. float32 or
+    float64 CUDA tensors, or CPU tensors in Triton's interpreter."""
     if not available():
         raise ValueError(
             "attention backend 'triton' needs Triton, which ships with PyTorch's CUDA wheels "
@@ -135,25 +133,17 @@ def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, form, n, drop,
             f"CPU only in Triton's interpreter, {ENV}=1 before Triton is imported, which tests "
             "use); use attention_backend=auto or torch"
         )
-    dtype = q.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"attention backend 'triton' takes floating-point inputs, not {dtype}")
-
-    def flat(t):  # half precision is computed in float32
-        return None if t is None else gsa_core._widen(t).contiguous()
-
-    q, k, v, gl, rho = (flat(t) for t in (q, k, v, gl, rho))
+    if q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"attention backend 'triton' takes floating-point inputs, not {q.dtype}")
     if any(t is not None and t.dtype != q.dtype for t in (k, v, gl, rho)):
         raise ValueError("q, k, v and the encodings must share one dtype")
-    threshold = round(drop * gsa_core.DROP_STEPS)
 
-    def index(t):
+    def flat(t):
         return None if t is None else t.contiguous()
 
-    args = (index(offsets), index(neighbour), index(valid), form == "single", n, threshold, seed)
+    q, k, v, gl, rho = (flat(t) for t in (q, k, v, gl, rho))
+    args = (flat(offsets), flat(neighbour), flat(valid), single, n, threshold, seed)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            out = TritonAttention.apply(q, k, v, gl, rho, *args)
-    else:
-        out = TritonAttention.apply(q, k, v, gl, rho, *args)
-    return out if out.dtype == dtype else out.to(dtype)
+            return TritonAttention.apply(q, k, v, gl, rho, *args)
+    return TritonAttention.apply(q, k, v, gl, rho, *args)

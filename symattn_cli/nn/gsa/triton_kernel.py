@@ -1,6 +1,6 @@
 """The fused Triton kernel of the factorised attention core: the equations of the CPU kernel
-(``gsa_kernel.cpp``; :mod:`symattn_cli.nn.gsa_core` states the algorithm and the letters), one
-program per query; :mod:`symattn_cli.nn.gsa_triton` launches it.
+(``cpp_kernel.cpp``; :mod:`symattn_cli.nn.gsa.core` states the algorithm and the letters), one
+program per query; :mod:`symattn_cli.nn.gsa.triton` launches it.
 
 Per query i of batch-head z, neighbours are visited in blocks of BJ, all of their M key
 elements at once; block sizes are powers of two (B*) and loads are masked. The outer logits
@@ -34,7 +34,7 @@ import triton.language as tl
 @triton.jit
 def _keep(pid, j, J, M, G, s0, s1, threshold, BM: tl.constexpr, BG: tl.constexpr):
     """The dropout keep mask ``(BJ, BM, BG)`` of query ``pid`` = z L + i at neighbours j, as
-    gsa_core.keep_mask: the flat index into (Z, L, J, M, G), its low word xor s0 mixed by the
+    common.keep_mask: the flat index into (Z, L, J, M, G), its low word xor s0 mixed by the
     "lowbias32" hash, xor s1 and the high word, mixed again; kept if 15 bits >= threshold."""
     m = tl.arange(0, BM)
     g = tl.arange(0, BG)

@@ -1,0 +1,23 @@
+"""Lifting and group self-attention (GSA-Nets): the layer (:mod:`.layer`), the attention core's
+dispatcher (:mod:`.core`), one file per backend (:mod:`.cpp`, :mod:`.triton`, :mod:`.torch`)
+and the dense oracle (:mod:`.dense`)."""
+
+from symattn_cli.nn.gsa.layer import (
+    AUTO_CHUNK,
+    GROUP_INDEX,
+    QUERY_FORMS,
+    GroupSelfAttention,
+    group_self_attention,
+    lifting_self_attention,
+    neighbourhoods,
+)
+
+__all__ = [
+    "AUTO_CHUNK",
+    "GROUP_INDEX",
+    "QUERY_FORMS",
+    "GroupSelfAttention",
+    "group_self_attention",
+    "lifting_self_attention",
+    "neighbourhoods",
+]

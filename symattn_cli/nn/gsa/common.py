@@ -1,0 +1,52 @@
+"""Pieces every backend of the attention core shares: the attention-dropout keep mask and the
+spatial table lookup (:mod:`symattn_cli.nn.gsa.core` states the algorithm and the letters)."""
+
+from __future__ import annotations
+
+import torch
+
+DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32), without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (the "lowbias32" constants) on int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def keep_mask(seed: int, shape: tuple[int, ...], rows: slice, drop: float, device) -> torch.Tensor:
+    """The keep mask ``(Z, Lc, J, M, G)`` (bool) of queries ``rows`` of a call whose mask has
+    ``shape`` = (Z, L, J, M, G): entry x at flat index n of the full mask is kept iff
+    ``hash32(hash32(n mod 2^32 xor s0) xor s1 xor (n >> 32)) mod 2^15 >= drop * 2^15``, with
+    (s0, s1) the low and high 32 bits of ``seed``. The kernels compute the same function."""
+    z, n_q, j, m, g = shape
+    per_query = j * m * g
+    local = torch.arange(per_query, device=device)  # (JMG,)
+    zi = torch.arange(z, device=device)[:, None] * n_q
+    qi = torch.arange(rows.start, rows.stop, device=device)[None, :]
+    flat = ((zi + qi) * per_query)[..., None] + local  # (Z, Lc, JMG)
+    s0, s1 = seed & _MASK32, (seed >> 32) & _MASK32
+    x = _hash32((flat & _MASK32) ^ s0)
+    x = _hash32(x ^ s1 ^ (flat >> 32))
+    keep = (x & (DROP_STEPS - 1)) >= round(drop * DROP_STEPS)
+    return keep.view(z, rows.stop - rows.start, j, m, g)
+
+
+def spatial_table(rho: torch.Tensor, offsets: torch.Tensor | None, rows: slice, j: int):
+    """rho_xy at each (query, neighbour) of ``rows``: ``(V, Lc, J, e)``, or ``(V, 1, J, e)``
+    when local (the same for every query)."""
+    if offsets is None:
+        return rho[:, None, :j]  # (V, 1, J, e)
+    return rho[:, offsets[rows]]  # (V, Lc, J, e)

@@ -1,0 +1,160 @@
+"""The attention core of lifting / group self-attention: a two-level softmax.
+
+Letters: Z = batch * heads, L query points, Lkv key points, G query group elements, M key group
+elements, V output group elements, J neighbours per query (P*P when local, all points when
+global), d channels per head, e spatial-encoding channels (the first e of d), D distinct
+spatial offsets (J when local), K rows of the outer softmax (V in the sum form with a spatial
+term, else 1).
+
+For output (i, v), query element g and key (j, m) the logit is (GSA-Nets Eq. 16, q pre-scaled
+by 1/sqrt(d))
+
+    c[j, m, g] + s[v, j, g],   c = q_ig . k_jm + gl[m, g],     gl = q_ig . rho_H(g^-1 m)
+                               s = q_ig . rho_xy(v^-1 (x_j - x_i))
+
+and the softmax runs jointly over (j, m). Because s does not depend on m, it factorises into
+two ordinary softmaxes:
+
+    softmax_(j,m)(c + s) = pi[j, m, g] * beta[v, j, g]
+    pi   = softmax_m(c[j, :, g])                     inner: over the key's group axis
+    lse  = logsumexp_m(c[j, :, g])
+    beta = softmax_j(s[v, :, g] + lse[:, g])         outer: over neighbours
+
+so out(i, v) = sum_(j, g) beta[v, j, g] W[j, g] with W[j, g] = sum_m pi[j, m, g] val[j, m].
+The reference's (V, G, J, M) logits per query never exist. The "single" form has one query
+per output element (g = v): out(i, g) = sum_j beta[j, g] W[j, g], with s[j, g] taken at v = g.
+Lifting is the sum form with G = M = 1 (pi = 1). Neighbours outside the image (``valid``
+false) get beta = 0. The spatial encoding is a table ``rho (V, D, e)`` over distinct offsets,
+indexed per (query, neighbour) by ``offsets (L, J)`` (None when local: D = J, the same for
+every query).
+
+Attention dropout zeroes entries of pi (shared by every v) by a keep mask that is a hash of
+(seed, z, i, j, m, g) (:func:`~symattn_cli.nn.gsa.common.keep_mask`): every backend draws the
+same mask, in any order, and the backward redraws it instead of storing it.
+
+Backends, one file each in this package, named after the option that picks it; this file
+(the dispatcher, :func:`factorised_attention`, ``backend="auto"``) hands them plain tensors and
+values, and none imports it:
+  ``cpp``     (:mod:`.cpp`, ``cpp_kernel.cpp``) the fused CPU kernel: per tile of queries,
+              logits, both softmaxes and the value sums in cache; a hand-written backward that
+              recomputes them.
+  ``triton``  (:mod:`.triton`, :mod:`.triton_kernel`) the fused GPU kernel: one program per
+              query, the same equations, its backward recomputing them; CUDA tensors (CPU
+              tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+  ``torch``   (:mod:`.torch`) the same algorithm in plain PyTorch over chunks of queries, each
+              recomputed in the backward (activation checkpointing): any device.
+:func:`~symattn_cli.nn.gsa.dense.dense_attention` (:mod:`.dense`) is the reference algorithm
+(full logits, autograd), the test oracle. :mod:`.common` holds the dropout mask and the spatial
+table lookup that every backend shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from symattn_cli.nn.gsa import cpp, triton
+from symattn_cli.nn.gsa.common import DROP_STEPS
+from symattn_cli.nn.gsa.torch import torch_attention
+
+FORMS = ("sum", "single")
+BACKENDS = ("auto", "cpp", "triton", "torch")
+
+
+def group_logits(q: torch.Tensor, group_rho: torch.Tensor | None) -> torch.Tensor | None:
+    """gl = q_ig . rho_H(g^-1 m) over q's last c channels: ``(Z, L, M, G)`` from q
+    ``(Z, L, G, d)`` and group_rho ``(G, M, c)``."""
+    if group_rho is None:
+        return None
+    c = group_rho.shape[-1]
+    return torch.einsum("zlgc,gmc->zlmg", q[..., q.shape[-1] - c :], group_rho).contiguous()
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
+    """float16 / bfloat16 -> float32 (what autocast hands over); anything else as it is."""
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def backend_for(device, dtype=torch.float32, backend: str = "auto") -> str:
+    """The backend a call on ``device`` with ``dtype`` runs: ``backend`` itself, or for
+    ``"auto"`` the Triton kernel on CUDA when Triton is installed, the fused CPU kernel where it
+    applies and is built, else ``"torch"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    device = torch.device(device)
+    if device.type == "cuda" and triton.available():
+        return "triton"
+    if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.load():
+        return "cpp"
+    return "torch"
+
+
+def attention_backends(model: Any, device) -> str:
+    """The backends the attention layers of ``model`` run on ``device``, comma-separated and
+    sorted ("" when it has none)."""
+    backends = {
+        backend_for(device, backend=m.attention_backend)
+        for m in model.modules()
+        if hasattr(m, "attention_backend")
+    }
+    return ",".join(sorted(backends))
+
+
+def factorised_attention(
+    q, k, v, group_rho, rho, offsets, neighbour, valid, *, form: str, n: int,
+    drop: float = 0.0, chunk: int = 64, recompute: bool = True, backend: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """``out (Z, L, V, d)`` from q ``(Z, L, G, d)`` (pre-scaled by 1/sqrt(d)), k, v
+    ``(Z, Lkv, M, d)``.
+
+    ``group_rho`` ``(G, M, c)`` or None: rho_H(g^-1 m), dotted with q's last c channels;
+    ``rho`` ``(V, D, e)`` or None: rho_xy, dotted with q's first e channels, at offset
+    ``offsets[i, j]`` ``(L, J)`` (None: local, offset j); ``neighbour`` ``(L, J)`` indices
+    into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the attention-dropout
+    rate (a multiple of 2^-15 after rounding; the output is rescaled by 1 / (1 - drop));
+    ``chunk`` queries per chunk of the torch backend, and ``recompute`` whether it recomputes
+    them in the backward (the fused kernels always do); ``backend`` one of :data:`BACKENDS`.
+
+    Under autocast (mixed precision) the core runs in float32, forward and backward. The output
+    is float32; the maps around it keep autocast.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}; choose one of {FORMS}")
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"attention dropout {drop} must be in [0, 1)")
+    if _autocast_on(q.device.type):  # mixed precision: the core runs in float32
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v, group_rho, rho = (_widen(t) for t in (q, k, v, group_rho, rho))
+            return factorised_attention(
+                q, k, v, group_rho, rho, offsets, neighbour, valid, form=form, n=n, drop=drop,
+                chunk=chunk, recompute=recompute, backend=backend,
+            )  # fmt: skip
+    threshold = round(drop * DROP_STEPS)
+    drop = threshold / DROP_STEPS
+    # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
+    seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
+    gl = group_logits(q, group_rho)  # (Z, L, M, G) or None
+    single = form == "single"
+    which = backend_for(q.device, q.dtype, backend)
+    if which == "cpp":
+        out = cpp.cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n,
+                                threshold, seed)  # fmt: skip
+    elif which == "triton":  # half precision is computed in float32
+        dtype = q.dtype
+        wide = (_widen(t) for t in (q, k, v, gl, rho))
+        out = triton.triton_attention(*wide, offsets, neighbour, valid, single, n, threshold,
+                                      seed).to(dtype)  # fmt: skip
+    else:
+        out = torch_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold,
+                              seed, max(int(chunk), 1), recompute)  # fmt: skip
+    return out * (1.0 / (1.0 - drop)) if drop > 0 else out

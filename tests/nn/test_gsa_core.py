@@ -12,10 +12,11 @@ from symattn_cli.nn.gsa.core import factorised_attention
 from symattn_cli.nn.gsa.dense import dense_attention
 
 
-def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=None, d=5, e=2, local=True, seed=0):
+def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=None, d=5, e=2, local=True, seed=0, by_v=False):
     """Random core inputs in float64: every query sees ``j`` keys, the first one invalid for
-    every other query; a group encoding on the channels after the spatial ones; a global
-    spatial table of 6 distinct offsets, or a local one per neighbour."""
+    every other query; a group encoding on the channels after the spatial ones, ``(V, G, M,
+    c)`` (one that sees the output element) when ``by_v``; a global spatial table of 6
+    distinct offsets, or a local one per neighbour."""
     gen = torch.Generator().manual_seed(seed)
     n = n or g if g > 1 else 3
 
@@ -23,7 +24,9 @@ def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=None, d=5, e=2, local=True, 
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q, k, v = rnd(z, n_q, g, d), rnd(z, n_kv, m, d), rnd(z, n_kv, m, d)
-    group_rho = rnd(g, m, d - e) if m > 1 else None  # on q's channels after rho's
+    group_rho = None
+    if m > 1:  # on q's channels after rho's
+        group_rho = rnd(n, g, m, d - e) if by_v else rnd(g, m, d - e)
     rho, offsets = (rnd(n, j, e), None) if local else (rnd(n, 6, e), torch.randint(0, 6, (n_q, j)))
     rho = rho if e else None
     neighbour = torch.randint(0, n_kv, (n_q, j), generator=gen)
@@ -43,6 +46,11 @@ CASES = [
     ("sum", dict(e=0)),  # no spatial term: the same output for every v
     ("single", dict(e=0)),
     ("sum", dict(z=3, n_q=7, j=9)),  # counts that divide nothing
+    ("sum", dict(by_v=True)),  # a group term that sees v (group_index pair, gevit, shifted)
+    ("sum", dict(by_v=True, local=False)),
+    ("single", dict(by_v=True)),
+    ("sum", dict(g=8, m=8, d=7, e=4, by_v=True)),
+    ("sum", dict(e=0, by_v=True)),
 ]
 
 
@@ -84,7 +92,7 @@ def test_matches_the_dense_oracle(form, shape, drop, backend):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
 
 
-@pytest.mark.parametrize(("form", "shape"), CASES[:5])
+@pytest.mark.parametrize(("form", "shape"), CASES[:5] + CASES[10:13])
 def test_float32_matches_the_float64_oracle(form, shape, backend):
     inputs = _inputs(**shape)
     ours = _run(factorised_attention, inputs, form, torch.float32, drop=0.2, backend=backend)
@@ -94,7 +102,7 @@ def test_float32_matches_the_float64_oracle(form, shape, backend):
         assert (a.double() - b).abs().max() <= 2e-5 * b.abs().max()
 
 
-@pytest.mark.parametrize(("form", "shape"), [CASES[0], CASES[3], CASES[4], CASES[7]])
+@pytest.mark.parametrize(("form", "shape"), [CASES[0], CASES[3], CASES[4], CASES[7], CASES[10]])
 def test_gradcheck(form, shape, backend):
     q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(z=1, n_q=3, **shape)
 

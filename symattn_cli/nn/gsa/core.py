@@ -62,13 +62,23 @@ FORMS = ("sum", "single")
 BACKENDS = ("auto", "cpp", "triton", "torch")
 
 
-def group_logits(q: torch.Tensor, group_rho: torch.Tensor | None) -> torch.Tensor | None:
-    """gl = q_ig . rho_H(g^-1 m) over q's last c channels: ``(Z, L, M, G)`` from q
-    ``(Z, L, G, d)`` and group_rho ``(G, M, c)``."""
+def group_logits(q: torch.Tensor, group_rho: torch.Tensor | None, single: bool = False):
+    """The group logits over q's last c channels, or None without a group encoding.
+
+    ``group_rho`` ``(G, M, c)``, an encoding of the key's element relative to the query's
+    (rho_H(g^-1 m)): gl[m, g] = q_ig . group_rho[g, m], ``(Z, L, M, G)``. ``group_rho``
+    ``(V, G, M, c)``, an encoding that also sees the output element: gl[v, m, g] = q_ig .
+    group_rho[v, g, m], ``(Z, L, V, M, G)``; in the single form (g = v) only its diagonal is
+    read, ``(Z, L, M, G)``."""
     if group_rho is None:
         return None
     c = group_rho.shape[-1]
-    return torch.einsum("zlgc,gmc->zlmg", q[..., q.shape[-1] - c :], group_rho).contiguous()
+    tail = q[..., q.shape[-1] - c :]  # (Z, L, G, c)
+    if group_rho.dim() == 4:
+        if not single:
+            return torch.einsum("zlgc,vgmc->zlvmg", tail, group_rho).contiguous()
+        group_rho = torch.diagonal(group_rho, dim1=0, dim2=1).permute(2, 0, 1)  # (G, M, c)
+    return torch.einsum("zlgc,gmc->zlmg", tail, group_rho).contiguous()
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -117,7 +127,8 @@ def factorised_attention(
     """``out (Z, L, V, d)`` from q ``(Z, L, G, d)`` (pre-scaled by 1/sqrt(d)), k, v
     ``(Z, Lkv, M, d)``.
 
-    ``group_rho`` ``(G, M, c)`` or None: rho_H(g^-1 m), dotted with q's last c channels;
+    ``group_rho`` ``(G, M, c)``, ``(V, G, M, c)`` or None: the group encoding, dotted with
+    q's last c channels (:func:`group_logits`);
     ``rho`` ``(V, D, e)`` or None: rho_xy, dotted with q's first e channels, at offset
     ``offsets[i, j]`` ``(L, J)`` (None: local, offset j); ``neighbour`` ``(L, J)`` indices
     into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the attention-dropout
@@ -143,9 +154,11 @@ def factorised_attention(
     drop = threshold / DROP_STEPS
     # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
     seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
-    gl = group_logits(q, group_rho)  # (Z, L, M, G) or None
     single = form == "single"
+    gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
     which = backend_for(q.device, q.dtype, backend)
+    if gl is not None and gl.dim() == 5 and which != "torch":
+        which = "torch"  # the fused kernels do not take a v-dependent group term yet
     if which == "cpp":
         out = cpp.cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n,
                                 threshold, seed)  # fmt: skip

@@ -8,7 +8,6 @@ per command. This module imports only the standard library: ``symattn --help`` i
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 COMMANDS = {
@@ -101,10 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    # Idle OpenMP threads sleep instead of spinning: on a shared CPU, spinning threads that
-    # wait for a descheduled partner make small kernels many times slower. Must be set before
-    # torch loads its OpenMP runtime; an explicit setting in the environment wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = importlib.import_module(COMMANDS[command][0])
     sys.argv = [f"symattn {command}", *args[1:]]
     try:

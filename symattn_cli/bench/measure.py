@@ -28,11 +28,9 @@ primer step (a convolution and a small group self-attention layer, forward and b
 triggers the lazy imports and thread pools every process pays once. That growth is reported as
 ``runtime_init_mb``.
 
-Threads: on a CPU shared with other jobs, OpenMP threads that spin while waiting for a
-descheduled partner make every small parallel region slow (measured here: a GSA-Net step 12x
-slower with 2 spinning threads on a loaded 2-core machine). Fresh processes therefore start
-with ``OMP_WAIT_POLICY=PASSIVE`` unless told otherwise (``Settings.omp_wait_policy``); the
-policy in force is recorded with every row.
+Threads: fresh processes start with OpenMP's own wait policy (its idle threads spin briefly,
+then sleep) unless told otherwise (``Settings.omp_wait_policy``: ``passive`` suits a CPU
+shared with other jobs); the policy in force is recorded with every row.
 
 ``python -m symattn_cli.bench.measure`` reads ``{"case": {...}, "settings": {...}}`` as JSON on
 stdin and prints the result as one JSON line: :func:`measure_fresh` uses it so that every case
@@ -63,9 +61,9 @@ class Case:
     """One thing to measure: a layer (``kind="layer"``) or a registered model (``"model"``).
 
     Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
-    ``query_form`` sum | single, ``patch_size`` P or 0 for global; ``group_index="shifted"``
-    runs the reference implementation's algorithm, which materialises the full N^3 P^2 logit
-    tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
+    ``query_form`` sum | single, ``patch_size`` P or 0 for global, ``group_index`` the group
+    term's index; ``attention_backend="dense"`` runs the reference algorithm, which
+    materialises the full N^3 P^2 logit tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
     ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
     GSA layers and nets run their attention core on ``attention_backend`` (``auto``: the
@@ -82,7 +80,7 @@ class Case:
     batch: int = 2
     channels: int = 20
     heads: int = 9
-    group_index: str = "relative"  # GSA layers: relative | shifted (the reference's algorithm)
+    group_index: str = "relative"  # GSA layers and nets: pair | gevit | relative | shifted
     attention_backend: str = "auto"  # GSA layers and nets: the attention core's backend
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -93,7 +91,7 @@ class Case:
             return self.query_form if self.name.endswith("_sa") else "-"
         if self.lifting:
             return "lifting"
-        if self.name == "gsa" and self.group_index == "shifted":
+        if self.name == "gsa" and self.attention_backend == "dense":
             return f"{self.query_form}-naive"
         return self.query_form if self.name == "gsa" else "group"
 
@@ -112,7 +110,8 @@ class Case:
             if self.attends:  # GSA-Nets: their form and neighbourhood matter
                 extra = f" {self.query_form} {patch}{extra}"
             return f"{self.name}{extra}{backend} {size}"
-        return f"{self.name} {self.group} {self.form} {patch}{backend} {size}"
+        index = f" {self.group_index}" if self.name == "gsa" and not self.lifting else ""
+        return f"{self.name} {self.group} {self.form}{index} {patch}{backend} {size}"
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -127,7 +126,7 @@ class Settings:
     modes: tuple[str, ...] = MODES
     count_flops: bool = True
     seed: int = 0
-    omp_wait_policy: str = "passive"  # for fresh processes: passive | active | "" (default)
+    omp_wait_policy: str = ""  # for fresh processes: "" (library default) | passive | active
 
 
 # ---------------------------------------------------------------- building a case

@@ -100,21 +100,34 @@ def fits_table(fits: Sequence[dict[str, Any]]):
 
 def naive_line(ratios: dict[str, float]) -> str:
     """One line per group: how much the reference's algorithm costs over ours, same run."""
-    groups = sorted({key.split("_naive_")[0] for key in ratios})
+    return ratio_lines(ratios, "naive", "reference algorithm (sum-naive) / ours (sum)")
+
+
+def index_lines(ratios: dict[str, float]) -> str:
+    """One line per group and v-dependent group index: its cost over ``relative``, same run."""
+    lines = []
+    for index in ("pair", "gevit"):
+        picked = {k: v for k, v in ratios.items() if f"_{index}_" in k}
+        if picked:
+            lines.append(ratio_lines(picked, index, f"sum+{index} / sum+relative"))
+    return "\n".join(lines)
+
+
+def ratio_lines(ratios: dict[str, float], name: str, title: str) -> str:
+    """``<group>_<name>_<mode>_<time|mem>_ratio`` entries as one line per group."""
+    groups = sorted({key.split(f"_{name}_")[0] for key in ratios})
     lines = []
     for group in groups:
         parts = []
         for mode in ("train", "forward"):
             time_key, mem_key = (
-                f"{group}_naive_{mode}_time_ratio",
-                f"{group}_naive_{mode}_mem_ratio",
+                f"{group}_{name}_{mode}_time_ratio",
+                f"{group}_{name}_{mode}_mem_ratio",
             )
             if time_key in ratios:
                 parts.append(
-                    f"{'fwd+bwd' if mode == 'train' else 'fwd'} {ratios[time_key]:.1f}x time, "
-                    f"{ratios[mem_key]:.1f}x memory"
+                    f"{'fwd+bwd' if mode == 'train' else 'fwd'} {ratios[time_key]:.2f}x time, "
+                    f"{ratios[mem_key]:.2f}x memory"
                 )
-        lines.append(
-            f"reference algorithm (sum-naive) / ours (sum), {group} layer: " + "; ".join(parts)
-        )
+        lines.append(f"{title}, {group} layer: " + "; ".join(parts))
     return "\n".join(lines)

@@ -75,7 +75,8 @@ def quick_cases() -> list[Case]:
         gsa_layer("r4", "sum", patch=3, side=8, batch=1),
         gsa_layer("r4", "lifting", patch=3, side=6, batch=1),
         gsa_layer("r4", "sum", patch=0, side=4, batch=1),
-        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="shifted"),
+        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), attention_backend="dense"),
+        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="pair"),
         Case(kind="layer", name="conv", patch_size=3, image_size=6, batch=1),
         Case(kind="layer", name="gconv", group="r4", patch_size=3, image_size=6, batch=1),
         model("cnn", batch=1, channels=[4, 8]),
@@ -93,7 +94,11 @@ def default_cases() -> list[Case]:
         cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
     cases += [gsa_layer("r8", "sum", batch=b) for b in (1, 8)]  # vs batch
     for group in ("r4", "r8"):  # the reference's algorithm (full N^3 P^2 logits), same sizes
-        cases.append(replace(gsa_layer(group, "sum"), group_index="shifted"))
+        cases.append(replace(gsa_layer(group, "sum"), attention_backend="dense"))
+    for group in ("r4", "r8", "r8m"):  # the group term's index: its cost per form
+        for index in ("pair", "gevit"):
+            cases.append(replace(gsa_layer(group, "sum"), group_index=index))
+        cases.append(replace(gsa_layer(group, "single"), group_index="pair"))
     for k in (3, 5):  # the convolutions a GSA layer replaces
         cases.append(Case(kind="layer", name="conv", patch_size=k, image_size=12))
         cases.append(Case(kind="layer", name="gconv", group="r4", patch_size=k, image_size=12))
@@ -179,7 +184,8 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         overrides = dict(case.overrides)
         if family == "gsa":
             overrides.update(group=case.group, query_form=case.query_form,
-                             patch_size=case.patch_size or -1)  # fmt: skip
+                             patch_size=case.patch_size or -1,
+                             group_index=case.group_index)  # fmt: skip
             if case.attention_backend != "auto":
                 overrides.update(attention_backend=case.attention_backend)
             group, form, patch = case.group, case.query_form, case.patch_size
@@ -197,6 +203,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     info = dict(label=label, kind=case.kind, name=case.name, group=group.name,
                 group_order=group.order, image_size=case.image_size, batch=case.batch,
                 attention_backend=case.attention_backend if case.attends else "",
+                group_index=case.group_index if case.attends else "",
                 **info)  # fmt: skip
     return case, info
 
@@ -270,22 +277,41 @@ def select_cases(
 def naive_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Time and memory of the reference's algorithm (``sum-naive`` layers) over ours (``sum``)
     at the same sizes, measured in the same run: ``<group>_naive_{time,mem}_ratio``."""
-    keys = [k for k in SERIES_KEYS if k != "form"]
+    return _ratios(rows, lambda r: r["form"] == "sum-naive", "naive",
+                   ("form", "attention_backend"))  # fmt: skip
+
+
+def index_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Time and memory of a sum-form layer with a v-dependent group index (``pair``,
+    ``gevit``) over the same layer with ``relative``, measured in the same run:
+    ``<group>_<index>_{train,forward}_{time,mem}_ratio``."""
+    return _ratios(rows, lambda r: r["form"] == "sum" and r.get("group_index") in ("pair", "gevit"),
+                   None, ("group_index",))  # fmt: skip
+
+
+def _ratios(rows, pick, name: str | None, free: tuple[str, ...]) -> dict[str, float]:
+    """Ratios of the rows ``pick`` selects over the ``sum``-form, ``relative``-index row that
+    matches them in every series key but ``free`` (the attention backend: the one auto picks).
+    Keys ``<group>_<name or the row's index>_<mode>_<time|mem>_ratio``."""
+    keys = [k for k in SERIES_KEYS if k not in free]
     ours = {
         tuple(r.get(k) for k in keys): r
         for r in rows
         if r.get("status") == "ok" and r["form"] == "sum"
-    }
+        and r.get("group_index") in (None, "relative")
+        and r.get("attention_backend") != "dense"
+    }  # fmt: skip
     out = {}
     for row in rows:
         match = ours.get(tuple(row.get(k) for k in keys))
-        if row.get("status") != "ok" or row["form"] != "sum-naive" or match is None:
+        if row.get("status") != "ok" or not pick(row) or match is None:
             continue
+        label = name or row["group_index"]
         for mode in ("train", "forward"):
             for quantity, column in (("time", f"{mode}_time_s"), ("mem", f"{mode}_mem_mb")):
                 if column in row and column in match:
                     ratio = row[column] / max(match[column], 1e-12)
-                    out[f"{row['group']}_naive_{mode}_{quantity}_ratio"] = ratio
+                    out[f"{row['group']}_{label}_{mode}_{quantity}_ratio"] = ratio
     return out
 
 
@@ -320,7 +346,7 @@ def reference_comparison(info: dict[str, Any], row: dict[str, Any]) -> dict[str,
 # axis -> the column that varies; series hold every other describing column fixed.
 AXES = {"N": "group_order", "P": "patch_size", "side": "image_size", "batch": "batch"}
 SERIES_KEYS = ("kind", "family", "form", "group_order", "patch_size", "image_size", "batch",
-               "channels", "heads", "attention_backend")  # fmt: skip
+               "channels", "heads", "attention_backend", "group_index")  # fmt: skip
 
 
 def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:

@@ -121,6 +121,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     from symattn_cli.bench.suite import (
         get_preset,
         growth_exponents,
+        index_comparison,
         naive_comparison,
         resolve,
         select_cases,
@@ -201,6 +202,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         "load_avg_end": os.getloadavg()[0],
     }
     summary.update(naive_comparison(rows))
+    summary.update(index_comparison(rows))
     for row in reference:
         summary[f"{row['group']}_time_ratio"] = row["time_ratio"]
         summary[f"{row['group']}_mem_ratio"] = row["mem_ratio"]
@@ -240,6 +242,10 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     naive = {k: v for k, v in summary.items() if "_naive_" in k}
     if naive:
         console.print(report.naive_line(naive))
+    by_index = {k: v for k, v in summary.items() if k.endswith("_ratio")
+                and ("_pair_" in k or "_gevit_" in k)}  # fmt: skip
+    if by_index:
+        console.print(report.index_lines(by_index))
     if reference:
         console.print(report.reference_table(reference))
     console.print(f"finished in {elapsed:.1f} s; run file: {path}")

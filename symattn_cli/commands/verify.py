@@ -80,7 +80,10 @@ def render(rows: Sequence[Check], *, full: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="equivariance error (max over the batch; rel = max|err| / max|out|)")
+    table = Table(
+        title="equivariance error, and the change a move of the group axis alone must cause "
+        "(max over the batch; rel = max|err| / max|out|)"
+    )
     for column in ("group", "layer", "element", "abs", "rel", "tolerance", "verdict"):
         table.add_column(
             column, justify="right" if column in ("abs", "rel", "tolerance") else "left"
@@ -88,6 +91,8 @@ def render(rows: Sequence[Check], *, full: bool = False) -> None:
     styles = {
         "pass": "green",
         "fails as expected": "cyan",
+        "responds": "green",
+        "blind as expected": "cyan",
         "measured": "yellow",
         "FAIL": "bold red",
     }
@@ -110,12 +115,12 @@ def worst_per_layer(rows: Sequence[Check]) -> list[Check]:
     for members in groups.values():
         if any(m.failed for m in members):
             pick = next(m for m in members if m.failed)
-        elif members[0].expect == "violation":
+        elif members[0].expect in ("violation", "responds"):  # must be large: the least
             pick = min(members, key=lambda m: m.rel_err)
         else:
             pick = max(members, key=lambda m: m.rel_err)
         if len(members) > 1:
-            label = "least" if members[0].expect == "violation" else "worst"
+            label = "least" if members[0].expect in ("violation", "responds") else "worst"
             pick = dataclasses.replace(pick, element=f"{label} of {len(members)}: {pick.element}")
         out.append(pick)
     return out
@@ -169,6 +174,8 @@ def verify(cfg: Any) -> list[Check]:
         "checks": len(rows),
         "failures": len(failures),
         "expected_failures": sum(r.verdict == "fails as expected" for r in rows),
+        "responds": sum(r.verdict == "responds" for r in rows),
+        "blind_controls": sum(r.verdict == "blind as expected" for r in rows),
         "measured_only": sum(r.verdict == "measured" for r in rows),
         "seconds": elapsed,
     }
@@ -203,6 +210,8 @@ def verify(cfg: Any) -> list[Check]:
     print(
         f"{summary['checks']} checks, {summary['failures']} failed, "
         f"{summary['expected_failures']} negative controls failed as expected, "
+        f"{summary['responds']} non-degeneracy checks responded, "
+        f"{summary['blind_controls']} blind layers detected as blind, "
         f"{summary['measured_only']} approximate (measured) in {elapsed:.1f} s\n"
         f"results: {path}" + (f"\nattention maps: {attention}" if attention else ""),
         flush=True,

@@ -85,7 +85,7 @@ class BenchmarkConfig:
     # GSA layers and nets once per attention backend: auto | cpp | triton | torch
     attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True
-    omp_wait_policy: str = "passive"  # OpenMP idle threads: passive | active | "" (default)
+    omp_wait_policy: str = ""  # OpenMP idle threads: "" (the library's default) | passive | active
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -15,6 +15,10 @@ class GSANetConfig:
     group: str = "z2"  # z2 | z4 (r4) | r8 | r12 | r16 | mirror (z2m) | z4m (r4m) | r8m
     arch: str = "auto"  # auto | rotmnist | cifar10 | pcam
     query_form: str = "sum"  # sum (GSA-Nets Eq. 16) | single (one query per element)
+    # the group term's index (docs/gsa-nets.md): pair | gevit (exact, see the group axis),
+    # relative (exact, blind to the group axis in the sum form), shifted (the reference's, not
+    # equivariant: a negative control)
+    group_index: str = "relative"
     channels: int = 0
     heads: int = 0
     block_sizes: list[int] = field(default_factory=list)

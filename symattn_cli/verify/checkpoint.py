@@ -52,9 +52,11 @@ def _batches(dataset: Any, collate: Any, limit: int, batch_size: int = 100):
 
 
 def image_checks(model: nn.Module, images: torch.Tensor, *, dtype: str) -> list[Check]:
-    """Layer errors at the trained weights and prediction agreement under the group."""
+    """Layer errors at the trained weights, prediction agreement under the group, and the
+    non-degeneracy of every group layer (the model's output must change when the layer's
+    input moves along its group axis alone)."""
     from symattn_cli.nn.gsa import GroupSelfAttention
-    from symattn_cli.verify.gsa import rotate_image
+    from symattn_cli.verify.gsa import model_axis_response, rotate_image
 
     group = getattr(model, "group", None)
     torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
@@ -102,6 +104,11 @@ def image_checks(model: nn.Module, images: torch.Tensor, *, dtype: str) -> list[
             same = float((moved.argmax(-1) == predictions).double().mean())
             rows.append(_agreement(name, f"rot{degrees:g} (interpolated)", same,
                                    "approximate", len(images)))  # fmt: skip
+        if group is not None and group.order > 1:
+            for r in model_axis_response(model, images[:8]):
+                rows.append(Check("checkpoint", name, f"trained {r['layer']} · group axis alone",
+                                  r["element"], r["max_abs"], r["max_rel"], r["expected"],
+                                  dtype, note=f"{r['query_form']}, {r['index']}"))  # fmt: skip
         if group is None:  # a model without rotation symmetry: 90° turns are only measured
             for quarter in (1, 2, 3):
                 moved = model(torch.rot90(images, quarter, dims=(-2, -1)))

@@ -6,8 +6,13 @@ Every function returns a list of records (dicts) with at least ``group``, ``kind
 
 Checks (GSA-Nets Props. 4.1-4.3 and 5.1-5.2):
   * :func:`layer_equivariance`: ``layer(L_u f) = L_u layer(f)`` for every grid-exact u, for the
-    lifting layer, group layer (``sum`` / ``single`` query forms), a block and the whole
-    network (invariant logits), and the ``shifted`` negative control (reference indexing).
+    lifting layer, group layer (``sum`` / ``single`` query forms, each group index), a block
+    and the whole network (invariant logits), and the ``shifted`` negative control (reference
+    indexing).
+  * :func:`axis_response` / :func:`model_axis_response`: non-degeneracy, the second law. Moving
+    a group layer's input along its group axis alone, f(x, m) -> f(x, u^-1 m), must change the
+    output (``expected = "responds"``); an index that is blind to it (``relative`` and the
+    reference's ``shifted`` in the sum form) is reported as ``"blind"``.
   * :func:`translation_equivariance`: integer shifts, compared away from the borders.
   * :func:`offgrid_equivariance`: 45 / 30 degree turns of smooth images by interpolation;
     errors are reported, they are not zero (the pixel grid is not rotation invariant).
@@ -33,6 +38,12 @@ from symattn_cli.nn.positional import RelativePositionEncoding
 
 LAYER_KINDS = ("lifting", "group_sum", "group_single", "block", "network", "group_shifted")
 DEFAULT_KINDS = ("lifting", "group_sum", "group_single", "block", "network")
+# group indices checked per query form, and the index of the other kinds' group layers
+INDICES = ("pair", "gevit", "relative")
+DEFAULT_INDEX = "pair"
+# indices whose sum-form layer is unchanged by (g, m) -> (u g, u m), hence blind to its input's
+# group axis: relative's g^-1 m, and the reference's m - g + v
+BLIND_IN_SUM = ("relative", "shifted")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # relative error below which a check counts as exact, keyed by dtype
 EXACT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -74,23 +85,26 @@ def build_probe(
     patch_size: int | None = 3,
     dtype=torch.float64,
     seed: int = 0,
+    index: str = DEFAULT_INDEX,
 ) -> tuple[nn.Module, torch.Tensor]:
-    """A small randomly initialised module of ``kind`` and a random input for it."""
+    """A small randomly initialised module of ``kind`` and a random input for it; group
+    layers, blocks and networks use the group index ``index`` (``group_shifted``: the
+    reference's)."""
     if kind not in LAYER_KINDS:
         raise ValueError(f"kind={kind!r}; choose one of {LAYER_KINDS}")
     torch.manual_seed(seed)
     n, s = group.order, image_size
-    common = dict(group=group, heads=heads, patch_size=patch_size)
+    common = dict(group=group, heads=heads, patch_size=patch_size, group_index=index)
+    if kind == "group_shifted":
+        common["group_index"] = "shifted"
     if kind == "lifting":
         module = GroupSelfAttention(in_channels=2, out_channels=channels, lifting=True, **common)
         x = torch.randn(2, 2, s, s)
     elif kind.startswith("group"):
         form = "single" if kind == "group_single" else "sum"
-        index = "shifted" if kind == "group_shifted" else "relative"
         module = GroupSelfAttention(
-            in_channels=channels, out_channels=channels, query_form=form, group_index=index,
-            **common,
-        )  # fmt: skip
+            in_channels=channels, out_channels=channels, query_form=form, **common
+        )
         x = torch.randn(2, channels, n, s, s)
     elif kind == "block":
         attention = GroupSelfAttention(in_channels=channels, out_channels=2 * channels, **common)
@@ -103,7 +117,7 @@ def build_probe(
         module = GSANet(
             group=group, in_channels=1, num_classes=3, channels=channels, heads=heads,
             block_sizes=blocks, expansion=[1] * len(blocks), crops=[0] * sum(blocks),
-            patch_size=patch_size, attention_dropout=0.0, value_dropout=0.0,
+            patch_size=patch_size, attention_dropout=0.0, value_dropout=0.0, group_index=index,
         )  # fmt: skip
         x = torch.randn(2, 1, s, s)
     module = randomize_encodings(module, seed).to(dtype).eval()
@@ -147,14 +161,17 @@ def layer_equivariance(
     heads: int = 2,
     patch_size: int | None = 3,
     device="cpu",
+    index: str = DEFAULT_INDEX,
 ) -> list[dict]:
     """``max |layer(L_u f) - L_u layer(f)|`` for every grid-exact u of the group, computed on
-    ``device``."""
+    ``device``, with group index ``index``."""
     group, dt = get_group(group_name), _dtype(dtype)
     module, x = build_probe(
         group, kind, image_size=image_size, channels=channels, heads=heads,
-        patch_size=patch_size, dtype=dt, seed=seed,
+        patch_size=patch_size, dtype=dt, seed=seed, index=index,
     )  # fmt: skip
+    if kind == "group_shifted":
+        index = "shifted"
     module, x = module.to(device), x.to(device)
     expected = "fail" if kind == "group_shifted" else "exact"
     with torch.no_grad():
@@ -164,8 +181,129 @@ def layer_equivariance(
             moved = module(_transform_input(group, kind, e, x))
             err = moved - _transform_output(group, kind, e, y)
             records.append(
-                _record(group, kind, e, err, y, expected, image_size=image_size, dtype=str(dt))
+                _record(
+                    group,
+                    kind,
+                    e,
+                    err,
+                    y,
+                    expected,
+                    image_size=image_size,
+                    dtype=str(dt),
+                    index=index,
+                )  # fmt: skip
             )
+    return records
+
+
+def _axis_change(moved: torch.Tensor, y: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """The part of ``moved - y`` that neither invariance nor a permutation ``perm`` of the group
+    axis (axis 2) explains: the smaller of the two differences, by max norm."""
+    first = moved - y
+    if perm is None:
+        return first
+    second = moved - y[:, :, perm]
+    return first if first.abs().max() <= second.abs().max() else second
+
+
+def axis_response(
+    group_name: str,
+    kind: str,
+    *,
+    index: str = DEFAULT_INDEX,
+    dtype="float64",
+    seed: int = 0,
+    image_size: int = 6,
+    patch_size: int | None = 3,
+) -> list[dict]:
+    """Non-degeneracy of a group layer (``group_sum`` / ``group_single``): for every u other
+    than the identity, how much ``layer(f(x, u^-1 m))`` differs from both ``layer(f)`` and its
+    group-axis permutation, relative to ``max |layer(f)|``. A layer blind to how its input's
+    group axis lines up with space gives 0 (to rounding). ``patch_size=None``: global
+    attention on a point set."""
+    if kind not in ("group_sum", "group_single"):
+        raise ValueError(f"the axis check covers group layers, not {kind!r}")
+    group, dt = get_group(group_name), _dtype(dtype)
+    module, x = build_probe(
+        group, kind, image_size=image_size, patch_size=patch_size, dtype=dt, seed=seed,
+        index=index,
+    )  # fmt: skip
+    blind = index in BLIND_IN_SUM and kind == "group_sum"
+    gen = torch.Generator().manual_seed(seed)
+    coords = torch.randn(image_size, 2, generator=gen, dtype=dt) * 3
+    if patch_size is None:  # a point set: (B, C, N, I)
+        x = torch.randn(2, module.query.in_channels, group.order, image_size, generator=gen,
+                        dtype=dt)  # fmt: skip
+
+    def run(inputs):
+        return module(inputs) if patch_size is not None else module.forward_points(inputs, coords)
+
+    records = []
+    with torch.no_grad():
+        y = run(x)
+        for e in group.elements:
+            if e == group.identity:
+                continue
+            perm = group.regular_permutation(e)
+            err = _axis_change(run(x[:, :, perm]), y, perm)
+            records.append(
+                _record(
+                    group,
+                    kind,
+                    e,
+                    err,
+                    y,
+                    "blind" if blind else "responds",
+                    index=index,
+                    image_size=image_size,
+                    points=patch_size is None,
+                    dtype=str(dt),
+                )  # fmt: skip
+            )
+    return records
+
+
+def model_axis_response(model: nn.Module, x: torch.Tensor) -> list[dict]:
+    """Non-degeneracy of every group layer of a GSA-Net, seen at the model's output: for each
+    group self-attention layer and each u other than the identity, move that layer's input
+    along its group axis alone and measure the change of ``model(x)`` relative to its size
+    (the logits are invariant, so no permutation can explain a change). ``layer`` is the
+    layer's module name; ``expected`` is ``"blind"`` for a sum-form layer with an index of
+    :data:`BLIND_IN_SUM`, else ``"responds"``."""
+    group = model.group
+    layers = [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, GroupSelfAttention) and not m.lifting
+    ]  # fmt: skip
+    records = []
+    with torch.no_grad():
+        y = model(x)
+        for name, layer in layers:
+            blind = layer.group_index in BLIND_IN_SUM and layer.query_form == "sum"
+            for e in group.elements:
+                if e == group.identity:
+                    continue
+                perm = group.regular_permutation(e, device=x.device)
+                hook = layer.register_forward_pre_hook(
+                    lambda _, args, perm=perm: (args[0][:, :, perm], *args[1:])
+                )
+                try:
+                    moved = model(x)
+                finally:
+                    hook.remove()
+                records.append(
+                    _record(
+                        group,
+                        "network",
+                        e,
+                        moved - y,
+                        y,
+                        "blind" if blind else "responds",
+                        layer=name,
+                        index=layer.group_index,
+                        query_form=layer.query_form,
+                    )  # fmt: skip
+                )
     return records
 
 
@@ -178,6 +316,7 @@ def translation_equivariance(
     seed: int = 0,
     image_size: int = 12,
     patch_size: int = 3,
+    index: str = DEFAULT_INDEX,
 ) -> list[dict]:
     """Integer translation of the input (cyclic) vs of the output, compared on the interior
     (``patch_size // 2 + |shift|`` pixels from every border are left out)."""
@@ -185,8 +324,9 @@ def translation_equivariance(
         raise ValueError(f"translation check covers single layers, not {kind!r}")
     group, dt = get_group(group_name), _dtype(dtype)
     module, x = build_probe(
-        group, kind, image_size=image_size, patch_size=patch_size, dtype=dt, seed=seed
-    )
+        group, kind, image_size=image_size, patch_size=patch_size, dtype=dt, seed=seed,
+        index=index,
+    )  # fmt: skip
     with torch.no_grad():
         y = module(x)
         moved = module(_transform_input(group, kind, 0, x, shift))
@@ -195,7 +335,7 @@ def translation_equivariance(
     inner = (..., slice(margin, image_size - margin), slice(margin, image_size - margin))
     return [
         _record(group, kind, f"shift{shift}", moved[inner] - expect[inner], y, "exact",
-                image_size=image_size, dtype=str(dt))
+                image_size=image_size, dtype=str(dt), index=index)
     ]  # fmt: skip
 
 
@@ -278,13 +418,16 @@ def pointset_equivariance(
     points: int = 12,
     dtype="float64",
     seed: int = 0,
+    index: str = DEFAULT_INDEX,
 ) -> list[dict]:
     """Global attention on a point set: rotate the coordinates by every u (off-grid angles
     included) and permute the group axis; the outputs must agree to rounding."""
     if kind not in ("lifting", "group_sum", "group_single"):
         raise ValueError(f"point-set check covers lifting and group layers, not {kind!r}")
     group, dt = get_group(group_name), _dtype(dtype)
-    module, _ = build_probe(group, kind, image_size=4, patch_size=None, dtype=dt, seed=seed)
+    module, _ = build_probe(
+        group, kind, image_size=4, patch_size=None, dtype=dt, seed=seed, index=index
+    )
     gen = torch.Generator().manual_seed(seed)
     coords = torch.randn(points, 2, generator=gen, dtype=dt) * 3
     n = group.order
@@ -299,7 +442,7 @@ def pointset_equivariance(
             moved_x = x if kind == "lifting" else x[:, :, group.regular_permutation(e)]
             moved = module.forward_points(moved_x, group.act_on_coordinates(e, coords))
             err = moved - y[:, :, group.regular_permutation(e)]
-            records.append(_record(group, kind, e, err, y, "exact", points=points))
+            records.append(_record(group, kind, e, err, y, "exact", points=points, index=index))
     return records
 
 
@@ -370,12 +513,28 @@ def run_all(
     kinds = list(kinds or DEFAULT_KINDS)
     records: list[dict] = []
     for name in groups:
+        group = get_group(name)
         for kind in kinds:
-            for size in image_sizes:
-                records += layer_equivariance(name, kind, dtype=dtype, seed=seed, image_size=size)
-            if kind in ("lifting", "group_sum", "group_single"):
-                records += translation_equivariance(name, kind, dtype=dtype, seed=seed)
-                records += pointset_equivariance(name, kind, dtype=dtype, seed=seed)
+            indices = INDICES if kind in ("group_sum", "group_single") else (DEFAULT_INDEX,)
+            for index in indices:
+                for size in image_sizes:
+                    records += layer_equivariance(
+                        name, kind, dtype=dtype, seed=seed, image_size=size, index=index
+                    )
+                if kind in ("lifting", "group_sum", "group_single"):
+                    records += translation_equivariance(
+                        name, kind, dtype=dtype, seed=seed, index=index
+                    )
+                    records += pointset_equivariance(name, kind, dtype=dtype, seed=seed,
+                                                     index=index)  # fmt: skip
+                if kind in ("group_sum", "group_single") and group.order > 1:
+                    for patch in (3, None):  # local and global
+                        records += axis_response(name, kind, index=index, dtype=dtype,
+                                                 seed=seed, patch_size=patch)  # fmt: skip
+            if kind == "network" and group.order > 1:
+                module, x = build_probe(group, kind, image_size=image_sizes[0], seed=seed,
+                                        dtype=_dtype(dtype))  # fmt: skip
+                records += model_axis_response(module, x)
         if (
             offgrid
             and "lifting" in kinds

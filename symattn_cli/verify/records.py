@@ -10,7 +10,12 @@ and what was expected:
   grid); the error is measured and reported (verdict ``measured``), or compared against an
   explicit, labelled ``bound`` when one is given;
 * ``violation``: a negative control (a layer built to break the law); its error must be
-  clearly large (> 1e-3), else the check could not have failed and the row FAILS.
+  clearly large (> 1e-3), else the check could not have failed and the row FAILS;
+* ``responds``: non-degeneracy, the second law; the output must change (relative change
+  >= 1e-6) under a move the symmetry does not fix (a group layer's input moved along its group
+  axis alone), else the layer is blind to it and the row FAILS;
+* ``blind``: a layer known to be blind to such a move, reported as a control: its change must
+  stay under the dtype's tolerance (verdict ``blind as expected``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 CLEAR_VIOLATION = 1e-3
-EXPECTATIONS = ("exact", "approximate", "violation")
+RESPONSE = 1e-6
+EXPECTATIONS = ("exact", "approximate", "violation", "responds", "blind")
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Check:
             return self.bound
         if self.expect == "violation":
             return CLEAR_VIOLATION
+        if self.expect == "responds":
+            return RESPONSE
         if self.expect == "approximate":
             return math.nan
         return TOLERANCE[self.dtype]
@@ -56,6 +64,10 @@ class Check:
     def judge(self) -> str:
         if self.expect == "violation":
             return "fails as expected" if self.rel_err > self.tolerance else "FAIL"
+        if self.expect == "responds":
+            return "responds" if self.rel_err >= self.tolerance else "FAIL"
+        if self.expect == "blind":
+            return "blind as expected" if self.rel_err <= self.tolerance else "FAIL"
         if self.expect == "approximate":
             if self.bound is None:
                 return "measured"

@@ -28,18 +28,30 @@ LAYERS = {
     "block": ("block",),
     "model": ("network",),
 }
-EXPECT = {"exact": "exact", "approximate": "approximate", "fail": "violation"}
+EXPECT = {
+    "exact": "exact",
+    "approximate": "approximate",
+    "fail": "violation",
+    "responds": "responds",
+    "blind": "blind",
+}
 LAYER_NAMES = {
     "network": "model",
-    "group_sum": "group (Eq. 16, sum)",
-    "group_single": "group (single query)",
-    "group_shifted": "group (reference index)",
+    "group_sum": "group (Eq. 16, sum",
+    "group_single": "group (single query",
+    "group_shifted": "group (sum, reference index)",
 }
 
 
 def _gsa_row(record: dict, dtype: str, family: str = "gsa") -> Check:
     kind = LAYER_NAMES.get(record["kind"], record["kind"])
-    if "points" in record:
+    if record["kind"] in ("group_sum", "group_single"):
+        kind += f", {record['index']})"
+    if record["expected"] in ("responds", "blind"):
+        if record["kind"] == "network":
+            kind += f" · {record['layer']} ({record['query_form']}, {record['index']})"
+        kind += " · group axis alone"
+    if record.get("points"):
         kind += " · point set"
     elif record["expected"] == "approximate":
         kind += " · off-grid"

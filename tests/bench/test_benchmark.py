@@ -18,6 +18,7 @@ from symattn_cli.bench.suite import (
     PRESETS,
     fit_power_law,
     growth_exponents,
+    index_comparison,
     naive_comparison,
     reference_comparison,
     resolve,
@@ -85,6 +86,17 @@ def test_naive_comparison_pairs_rows_that_differ_only_in_form():
     assert out["r8_naive_train_mem_ratio"] == pytest.approx(40.0)
     assert out["r8_naive_forward_time_ratio"] == pytest.approx(10.0)
     assert out["r8_naive_forward_mem_ratio"] == pytest.approx(10.0)
+
+
+def test_index_comparison_pairs_each_index_with_relative():
+    ours = dict(_row(8, 5, 12, "sum", 0.5), group="r8", group_index="relative")
+    pair = dict(_row(8, 5, 12, "sum", 0.8), group="r8", group_index="pair")
+    gevit = dict(_row(8, 5, 12, "sum", 0.7), group="r8", group_index="gevit")
+    single = dict(_row(8, 5, 12, "single", 0.1), group="r8", group_index="pair")  # other form
+    out = index_comparison([ours, pair, gevit, single])
+    assert out["r8_pair_train_time_ratio"] == pytest.approx(1.6)
+    assert out["r8_gevit_forward_time_ratio"] == pytest.approx(1.4)
+    assert not any("single" in key for key in out) and len(out) == 8
 
 
 # ---------------------------------------------------------------- presets and selection
@@ -229,7 +241,8 @@ def test_measure_case_runs_the_attention_backend_asked_for():
 
 
 def test_measure_fresh_runs_in_a_child_process():
-    row = measure_fresh(TINY, Settings(repeats=1, warmup=0, threads=1, modes=("train",)))
+    settings = Settings(repeats=1, warmup=0, threads=1, modes=("train",), omp_wait_policy="passive")
+    row = measure_fresh(TINY, settings)
     _check_row(row, modes=("train",))
     assert row["runtime_init_mb"] >= 0 and "forward_time_s" not in row
     assert row["omp_wait_policy"] == "PASSIVE" and row["train_cpu_s"] > 0

@@ -27,10 +27,22 @@ def test_reduced_run_writes_table_and_plot(workdir):
     assert set(table["verdict"][exact]) == {"pass"}
     controls = table["expect"] == "violation"
     assert controls.sum() >= 2 and np.all(table["rel_err"][controls] > 1e-3)
-    # every element of R4 appears for the group layer
-    group_rows = table["layer"] == "group (Eq. 16, sum)"
+    # every element of R4 appears for the group layer, for each group index
     r4 = table["symmetry"] == "z4"
-    assert {"rot0", "rot90", "rot180", "rot270"} <= set(table["element"][group_rows & r4])
+    for index in ("pair", "gevit", "relative"):
+        group_rows = table["layer"] == f"group (Eq. 16, sum, {index})"
+        assert {"rot0", "rot90", "rot180", "rot270"} <= set(table["element"][group_rows & r4])
+    # non-degeneracy: the exact, non-blind indices see the group axis; relative in the sum
+    # form (and the reference's index) is reported as blind
+    responds = table["expect"] == "responds"
+    assert responds.sum() > 20 and np.all(table["rel_err"][responds] >= 1e-6)
+    blind = table["expect"] == "blind"
+    assert np.all(table["rel_err"][blind] <= 1e-10)
+    blind_layers = set(table["layer"][blind])
+    assert "group (Eq. 16, sum, relative) · group axis alone" in blind_layers
+    assert "group (Eq. 16, sum, pair) · group axis alone" in set(table["layer"][responds])
+    assert not any("pair" in layer or "gevit" in layer for layer in blind_layers)
+    assert "non-degeneracy checks responded" in result.stdout
     assert read_summary(out / "verify.h5")["failures"] == 0
     assert (out / "errors.png").stat().st_size > 0
 

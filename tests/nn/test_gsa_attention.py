@@ -9,7 +9,7 @@ import torch
 
 import symattn_cli.nn.gsa.core as core
 from symattn_cli.groups import GROUP_NAMES, get_group
-from symattn_cli.nn.gsa import GroupSelfAttention
+from symattn_cli.nn.gsa import GROUP_INDEX, GroupSelfAttention
 from symattn_cli.verify.gsa import build_probe, layer_equivariance, randomize_encodings
 from tests.helpers import values_and_gradients
 
@@ -75,12 +75,13 @@ def _brute_force_sum_form(layer: GroupSelfAttention, x: torch.Tensor, coords: to
     scale = layer.max_offset
     inv = g.matrices(x.dtype)[g.inverse]
     rho_xy = layer.position(offsets, inv, scale)  # (V, I, J, e)
-    rho_h = layer.group_embedding[g.relative]  # (G, M, e)
+    rho_h = layer.group_embedding[layer.group_index_table]  # (G, M, c) or (V, G, M, c)
+    rho_h = rho_h.expand(n, n, n, rho_h.shape[-1])  # (V, G, M, c)
     e = layer.pos_dim
     rho = torch.cat(
         [
             rho_xy[:, :, :, None, None, :].expand(n, n_pts, n_pts, n, n, e),
-            rho_h[None, None, None].expand(n, n_pts, n_pts, n, n, rho_h.shape[-1]),
+            rho_h[:, None, None].expand(n, n_pts, n_pts, n, n, rho_h.shape[-1]),
         ],
         dim=-1,
     )  # (V, I, J, G, M, d)
@@ -92,11 +93,14 @@ def _brute_force_sum_form(layer: GroupSelfAttention, x: torch.Tensor, coords: to
     return layer.w_out(out)
 
 
-def test_factorised_softmax_matches_eq16():
+@pytest.mark.parametrize("index", GROUP_INDEX)
+def test_factorised_softmax_matches_eq16(index):
+    """Every group index, through the layer and its backend, against Eq. 16 written out."""
     g = get_group("z4m")
     layer = GroupSelfAttention(
-        group=g, in_channels=4, out_channels=6, heads=2, patch_size=None, max_offset=4.0
-    )
+        group=g, in_channels=4, out_channels=6, heads=2, patch_size=None, max_offset=4.0,
+        group_index=index,
+    )  # fmt: skip
     layer = randomize_encodings(layer).double().eval()
     x = torch.randn(2, 4, g.order, 7, dtype=torch.float64)
     coords = torch.randn(7, 2, dtype=torch.float64) * 2
@@ -134,8 +138,9 @@ def test_group_encoding_spans_every_channel_without_positional_encoding():
     exactly equivariant (float64) for every element of the group."""
     g = get_group("z4m")
     layer = GroupSelfAttention(
-        group=g, in_channels=3, out_channels=6, heads=2, patch_size=3, position="none"
-    ).double()
+        group=g, in_channels=3, out_channels=6, heads=2, patch_size=3, position="none",
+        group_index="relative",
+    ).double()  # fmt: skip
     assert layer.group_embedding.shape == (g.order, layer.head_dim)
     torch.nn.init.normal_(layer.group_embedding)
     x = torch.randn(2, 3, g.order, 6, 6, dtype=torch.float64)

@@ -111,12 +111,13 @@ def backend_for(device, dtype=torch.float32, backend: str = "auto") -> str:
 
 def attention_backends(model: Any, device) -> str:
     """The backends the attention layers of ``model`` run on ``device``, comma-separated and
-    sorted ("" when it has none)."""
+    sorted ("" when it has none); ``dense`` for a layer that runs the reference algorithm."""
     backends = {
+        m.attention_backend if m.attention_backend == "dense" else
         backend_for(device, backend=m.attention_backend)
         for m in model.modules()
         if hasattr(m, "attention_backend")
-    }
+    }  # fmt: skip
     return ",".join(sorted(backends))
 
 

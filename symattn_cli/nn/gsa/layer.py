@@ -12,12 +12,23 @@ layer is global and the points' coordinates (not pixels) are rotated.
 
 Attention logits for output (i, v), query element g and key (j, m) are ``<q_ig, k_jm +
 rho(v, g, j, m)>`` / sqrt(d), split into three terms that live on different index sets:
-    content  q_ig . k_jm                   (i, g, j, m)
+    content  q_ig . k_jm                     (i, g, j, m)
     spatial  q_ig . rho_xy(v^-1 (x_j - x_i)) (i, v, g, j)       GSA-Nets Eq. 14 / 16
-    group    q_ig . rho_H(g^-1 m)           (i, g, m)
-The group term's argument g^-1 m is invariant under (v, g, m) -> (u v, u g, u m), which is what
-makes the layer exactly equivariant, dihedral groups included (the reference indexes it by
-m - g + v, which is not; ``group_index="shifted"`` reproduces that as a negative control).
+    group    q_ig . rho_H[idx(v, g, m)]      (i, v, g, m)       ``group_index``
+Two laws for the group index (docs/gsa-nets.md):
+  equivariance     idx(u v, u g, u m) = idx(v, g, m) for every u in H;
+  non-degeneracy   the output changes when only the input's group axis is moved,
+                   f(x, m) -> f(x, u^-1 m): the layer sees how that axis lines up with space.
+``group_index``:
+  ``"pair"``     (v^-1 g, g^-1 m), N^2 rows: the general exact index; both laws.
+  ``"gevit"``    v^-1 g m^-1 g, N rows: (2g - m - v) mod N on rotations (GE-ViT, Xu et al.
+                 2023); its dihedral form is the same word in the group; both laws.
+  ``"relative"`` g^-1 m, N rows: exact but blind in the sum form (every term is unchanged by
+                 (g, m) -> (u g, u m), and the sum runs over all g).
+  ``"shifted"``  v g^-1 m, (m - g + v) mod N: the reference implementation's index, not
+                 equivariant; a negative control.
+In the single form (g = v) every exact index reduces to a function of v^-1 m, which sees the
+group axis.
 
 Two query forms:
   ``"sum"`` (GSA-Nets Eq. 15-16): out(i, v) = sum_g softmax_{(j, m)}(...) val_jm, one softmax
@@ -54,7 +65,10 @@ QUERY_FORMS = ("sum", "single")
 # Numbers in the largest chunk tensor of the torch backend: cache-sized on CPU, large on GPUs
 # where every operation is a kernel launch.
 AUTO_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 26}
-GROUP_INDEX = ("relative", "shifted")
+GROUP_INDEX = ("pair", "gevit", "relative", "shifted")
+# ``attention_backend``: a backend of the core, or ``"dense"``, the reference algorithm with its
+# full (V, G, J, M) logits per query (for inspection and benchmarks).
+ATTENTION_BACKENDS = (*BACKENDS, "dense")
 POSITION_KINDS = ("relative", "none")
 
 
@@ -81,7 +95,7 @@ class GroupSelfAttention(nn.Module):
         position: str = "relative",
         position_hidden: int = 16,
         max_offset: float | None = None,
-        group_index: str = "relative",
+        group_index: str = "pair",
         checkpointing: bool = True,
         chunk_elements: int = 0,
         attention_backend: str = "auto",
@@ -102,8 +116,10 @@ class GroupSelfAttention(nn.Module):
             raise ValueError(f"position={position!r}; choose one of {POSITION_KINDS}")
         if chunk_elements < 0:
             raise ValueError(f"chunk_elements={chunk_elements} must be >= 0 (0 = automatic)")
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend={attention_backend!r}; choose one of {BACKENDS}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
+            )
         self.group = group
         self.heads = heads
         self.head_dim = head_dim or max(out_channels // 2, 1)
@@ -132,9 +148,9 @@ class GroupSelfAttention(nn.Module):
         )
         self.pos_dim = 2 * per_axis if self.position is not None else 0
         group_dim = 0 if lifting else d - self.pos_dim  # rho_H: q's channels after rho_xy
-        self.group_embedding = (
-            nn.Parameter(torch.randn(group.order, group_dim)) if group_dim > 0 else None
-        )
+        rows, index = group_index_table(group, group_index)
+        self.register_buffer("group_index_table", index, persistent=False)  # (V, G, M) or (G, M)
+        self.group_embedding = nn.Parameter(torch.randn(rows, group_dim)) if group_dim > 0 else None
         self.attention_dropout = nn.Dropout(attention_dropout)
 
     # ------------------------------------------------------------------ public
@@ -228,17 +244,14 @@ class GroupSelfAttention(nn.Module):
         return x
 
     def _encodings(self, offsets: torch.Tensor, scale: float):
-        """rho_xy(v^-1 offsets) ``(V, ..., E)`` and rho_H ``(G, M, E)`` (or ``(V, G, M, E)``)."""
+        """rho_xy(v^-1 offsets) ``(V, ..., E)`` and rho_H at the group index: ``(G, M, E)``, or
+        ``(V, G, M, E)`` for an index that depends on v."""
         rho_xy = rho_h = None
         if self.position is not None:
             inv = self.group.matrices(offsets.dtype, offsets.device)[self.group.inverse]  # (V,2,2)
             rho_xy = self.position(offsets, inv, scale)  # (V, ..., E)
         if self.group_embedding is not None:
-            if self.group_index == "relative":
-                rho_h = self.group_embedding[self.group.relative]  # (G, M, E): rho_H(g^-1 m)
-            else:  # negative control: the reference's (m - g + v) index, v-dependent
-                idx = self.group.cayley[:, self.group.relative]  # (V, G, M): v g^-1 m
-                rho_h = self.group_embedding[idx]  # (V, G, M, E)
+            rho_h = self.group_embedding[self.group_index_table]  # (G, M, E) or (V, G, M, E)
         return rho_xy, rho_h
 
     def _qkv(self, x: torch.Tensor):
@@ -262,25 +275,25 @@ class GroupSelfAttention(nn.Module):
         encoding ``rho_xy`` ``(V, D, E)`` at ``offsets`` ``(L, J)`` (None: local) -> ``(Z, L,
         V, d)``.
 
-        The shared core of every layer kind: :func:`factorised_attention`, or the reference's
-        dense algorithm for its v-dependent group index (``group_index="shifted"``).
+        The shared core of every layer kind: :func:`factorised_attention`, or with
+        ``attention_backend="dense"`` the reference algorithm.
         """
         z, _, g, d = q.shape
         m, j, n = k.shape[2], neighbour.shape[1], self.group.order
         per_query = z * j * max(g * m, g * n, g * d, m * d)
+        if rho_h is not None and rho_h.dim() == 4 and self.query_form == "sum":
+            per_query *= n  # the group term, and with it pi, depends on v
         budget = self.chunk_elements or AUTO_CHUNK.get(q.device.type, AUTO_CHUNK["cuda"])
-        chunk = max(1, budget // per_query)
         drop = self.attention_dropout.p if self.training else 0.0
-        if rho_h is not None and rho_h.dim() == 4:  # negative control: (m - g + v) index
-            per_query *= n * g
+        if self.attention_backend == "dense":
             seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
             return dense_attention(
                 q, k, v, rho_h, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
-                drop=drop, seed=seed, chunk=max(1, budget // per_query),
+                drop=drop, seed=seed, chunk=max(1, budget // (per_query * n * g)),
             )  # fmt: skip
         return factorised_attention(
             q, k, v, rho_h, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
-            drop=drop, chunk=chunk, recompute=self.checkpointing,
+            drop=drop, chunk=max(1, budget // per_query), recompute=self.checkpointing,
             backend=self.attention_backend,
         )  # fmt: skip
 
@@ -329,6 +342,24 @@ class GroupSelfAttention(nn.Module):
         index = index.view(n_points, n_points)  # (I, J) into D
         out = self._attend(q, k, v, rho_xy, rho_h, index, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
+
+
+def group_index_table(group: Group, kind: str) -> tuple[int, torch.Tensor]:
+    """The rows of the group embedding and the index of the row each (v, g, m) reads:
+    ``(V, G, M)`` for ``pair``, ``gevit`` and ``shifted``, ``(G, M)`` for ``relative`` (see
+    the module docstring for the laws each satisfies)."""
+    n, table, inv, rel = group.order, group.cayley, group.inverse, group.relative
+    if kind == "relative":
+        return n, rel.clone()  # (G, M): g^-1 m
+    if kind == "pair":
+        return n * n, rel[:, :, None] * n + rel[None, :, :]  # (V, G, M): (v^-1 g, g^-1 m)
+    if kind == "gevit":
+        g = torch.arange(n)[:, None]
+        gmg = table[table[g, inv[None, :]], g]  # (G, M): g m^-1 g
+        return n, table[inv[:, None, None], gmg[None]]  # (V, G, M): v^-1 g m^-1 g
+    if kind == "shifted":
+        return n, table[:, rel]  # (V, G, M): v g^-1 m
+    raise ValueError(f"group_index={kind!r}; choose one of {GROUP_INDEX}")
 
 
 def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int, width: int):

@@ -169,7 +169,8 @@ struct Tile {
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local;
   // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx); for the current v: ev, evk (J,
   // M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl (M, G); mxv (J, G): the fallback's
-  // maxima; a (J, G): beta / sm; acc (G); u (K, J, G): outer logits less lse; pv (V, J, M): P
+  // maxima; beta, a (J, G): beta and beta / sm; acc (G); u (K, J, G): outer logits less lse;
+  // pv (V, J, M): P
   V *c0, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M)
@@ -401,7 +402,8 @@ void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename 
     V top = V{} - inf;
     for (int64_t j = 0; j < J; ++j) top = b[j * G + g] > top ? b[j * G + g] : top;
     V sum{};
-    for (int64_t j = 0; j < J; ++j) sum += b[j * G + g] = sm[j * G + g] * exp_shifted<S>(b[j * G + g] - top);
+    for (int64_t j = 0; j < J; ++j)
+      sum += b[j * G + g] = sm[j * G + g] * exp_shifted<S>(b[j * G + g] - top);
     const V inv = 1 / sum;
     for (int64_t j = 0; j < J; ++j) b[j * G + g] *= inv;
   }
@@ -617,7 +619,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     // dv[j, m] = sum_v P[v, j, m] go[v];  dk[j, m] = sum_g DC[j, m, g] q[g]
     contract<V>(tl.dvg, d, 1, {tl.pv, 1, JM}, {tl.go, 1, d}, JM, d, p.V, false);
     contract<V>(tl.dkg, d, 1, {tl.dc, G, 1}, {tl.q, 1, d}, JM, d, G, false);
-  } else if (p.single) {  // dbeta (into dt) and dW  // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
+  } else if (p.single) {  // dbeta (into dt) and dW
+    // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
     for (int64_t g = 0; g < G; ++g)
       contract<V>(tl.dt + g, 0, G, {tl.go + g * d, 0, 1}, {tl.w + g * d, G * d, 1}, 1, J, d, false);
     for (int64_t j = 0; j < J; ++j)

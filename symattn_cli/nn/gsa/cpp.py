@@ -143,8 +143,8 @@ def _build() -> ModuleType | None:
 
 class CppAttention(torch.autograd.Function):
     """The kernel's forward and backward as an autograd function on the kernel's layouts, the
-    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L), out
-    (Z, d, V, L); see :func:`cpp_attention`."""
+    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L) or
+    (Z, V, M, G, L), out (Z, d, V, L); see :func:`cpp_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
@@ -165,12 +165,13 @@ def cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, thresh
     """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the fused CPU kernel,
     without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)`` (a view of a ``(Z, d, V, L)``
     tensor, which the layer's W_out reads without a copy). ``gl`` ``(Z, L, M, G)``: the group
-    logits, or None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. The
+    logits, ``(Z, L, V, M, G)`` when they depend on the output element (sum form only), or
+    None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. The
     kernel takes the point axis last, so that a tile of consecutive queries, and their
     neighbours at one offset, are consecutive numbers."""
 
-    def points_last(t):  # (Z, P, A, B) -> (Z, A, B, P)
-        return None if t is None else t.permute(0, 2, 3, 1).contiguous()
+    def points_last(t):  # (Z, P, ...) -> (Z, ..., P)
+        return None if t is None else t.movedim(1, -1).contiguous()
 
     def flat(t):
         return None if t is None else t.contiguous()

@@ -21,6 +21,20 @@
 //   dpi  = keep (v[j,m] . dW[j,g]),             dv[j,m] += sum_g pi keep dW[j,g]
 //   dc   = pi (dpi - sum_m pi dpi + dlse),      dgl[m,g] += sum_j dc[j,m,g]
 //   dq[g] += sum_(j,m) dc[j,m,g] k[j,m],        dk[j,m] += sum_g dc[j,m,g] q[g]
+// A group term that depends on the output element, gl[v,m,g] (sum form), makes pi depend on
+// v; the probabilities are then mixed over g before the values, so that the value work does
+// not grow V-fold. c0 = q[g] . k[j,m] and E0 = exp(c0 - mx) are computed once per tile, and
+// per v (group_row) exp(c_v - mx) = E0 exp(gl[v] - max_m gl[v]): a product, not an exp:
+//   ev[j,m,g] = E0 exp(gl[v,m,g] - max_m gl[v,:,g]),  sm_v = sum_m ev,  pi_v = ev / sm_v
+//   beta_v    = softmax_j (s[v,j,g] + mx + log sm_v)  (max_m gl[v] is the same for every j)
+//   P_v[j,m]  = sum_g beta_v pi_v keep,               out[v] = sum_(j,m) P_v[j,m] v[j,m]
+// Backward, with dP_v[j,m] = go[v] . v[j,m]:
+//   dv[j,m]   = sum_v P_v[j,m] go[v],                 dbeta_v = sum_m pi_v keep dP_v
+//   acc_v[g]  = sum_j beta_v dbeta_v,                 dt_v = beta_v (dbeta_v - acc_v)
+//   dc_v      = pi_v (dpi_v - sum_m pi_v dpi_v + dt_v) = beta_v pi_v (keep dP_v - acc_v)
+//   dgl[v,m,g] = sum_j dc_v,  DC = sum_v dc_v,  dq, dk from DC as above; rho from dt_v
+// (dpi_v = keep beta_v dP_v). Where a product underflows where the exp of the sum would not
+// (extreme logits), that v of the tile computes exp(c0 + gl[v] - max_m) itself.
 // The forward runs in parallel over tiles; the backward over z, which owns its rows of dk and
 // dv; drho is summed per thread, then over threads in order (deterministic for a thread
 // count).
@@ -116,12 +130,13 @@ void storeu(S* dst, const V& x) {
 
 template <typename S>
 struct Problem {
-  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L); rho (V, D, e)
+  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L) or, when it
+  // depends on the output element (by_v), (Z, V, M, G, L); rho (V, D, e)
   const S *q, *k, *v, *gl, *rho;  // gl, rho: null when absent
   const int64_t *offsets, *nb;    // offsets: null when local (offset j)
   const bool* valid;              // null when every neighbour is inside
   int64_t Z, L, Lkv, G, M, J, d, e, V, K, D;
-  bool single;
+  bool single, by_v;
   uint32_t threshold, s0, s1;  // dropout: keep iff hash mod 2^15 >= threshold
 
   S keep(uint64_t flat) const {
@@ -131,7 +146,7 @@ struct Problem {
   }
   int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
   bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
-  int64_t rows() const { return single ? 1 : K; }  // rows of the outer softmax per tile
+  int64_t rows() const { return by_v ? V : single ? 1 : K; }  // outer softmaxes per tile
   // Whether the spatial term is one table for every query and every g (local, sum form).
   bool spatial_table() const { return e && !offsets && !single; }
   // Entry a of a local (V, J, e) table within rho (V, D, e).
@@ -152,20 +167,30 @@ struct Tile {
   // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep, or a d rho row (e);
   // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local;
+  // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx); for the current v: ev, evk (J,
+  // M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl (M, G); mxv (J, G): the fallback's
+  // maxima; beta, a (J, G): beta and beta / sm; acc (G); u (K, J, G): outer logits less lse;
+  // pv (V, J, M): P
+  V *c0, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G)
-  V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl;
+  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M)
+  V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv;
 
   Tile(const Problem<S>& p, bool backward) {
-    const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward;
-    const int64_t sizes[] = {G * d, J * M * d, J * M * d, M * G, J * M * G,
-                             p.threshold ? J * M * G : 0, J * G, J * G, (J * G + p.V) * d,
-                             p.rows() * J * G, std::max<int64_t>(p.e, 1), std::max(M * G, p.e),
-                             p.spatial_table() ? p.V * J * p.e : 0,
+    const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward, bv = p.by_v;
+    const int64_t gl_rows = bv ? p.V : 1, JMG = J * M * G;
+    const int64_t sizes[] = {G * d, J * M * d, J * M * d, gl_rows * M * G, JMG,
+                             p.threshold ? JMG : 0, J * G, J * G, (J * G + p.V) * d,
+                             (bv ? 1 : p.rows()) * J * G, std::max<int64_t>(p.e, 1),
+                             std::max(M * G, p.e), p.spatial_table() ? p.V * J * p.e : 0,
+                             bv * JMG, bv * JMG, bv && p.threshold ? JMG : 0, bv * M * G,
+                             bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
-                             b * G * d, b * J * M * d, b * J * M * d, b * J * M * G, b * M * G};
+                             b * G * d, b * J * M * d, b * J * M * d, b * JMG,
+                             b * gl_rows * M * G, b * bv * p.V * J * M};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
-                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl};
+                    &c0, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
+                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     memory = at::empty({total * T}, at::TensorOptions().dtype(c10::CppTypeToScalarType<S>::value));
@@ -201,8 +226,9 @@ struct Tile {
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
     for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + (z * G * d + gc) * p.L);
+    const int64_t gl_size = (p.by_v ? p.V : 1) * M * G;
     if (p.gl)
-      for (int64_t mg = 0; mg < M * G; ++mg) gl[mg] = row_at(p.gl + (z * M * G + mg) * p.L);
+      for (int64_t a = 0; a < gl_size; ++a) gl[a] = row_at(p.gl + (z * gl_size + a) * p.L);
     layout.resize(J);
     first.resize(J);
     int64_t index[T];
@@ -337,25 +363,79 @@ void contract(V* out, int64_t out_a, int64_t out_b, Operand<V> x, Operand<V> y, 
   }
 }
 
-// pi, keep, mx, sm, W and beta of a loaded tile.
+// u[j, g] = s[k, j, g] + base[j, g] (base: null for 0), -inf where j is outside: the logits of
+// row k of the outer softmax, s = q[g, :e] . rho[k or g, off(i, j)].
+template <typename S>
+void outer_logits(const Problem<S>& p, Tile<S>& tl, int64_t k, typename Tile<S>::V* u,
+                  const typename Tile<S>::V* base) {
+  using V = typename Tile<S>::V;
+  constexpr int64_t T = Tile<S>::T;
+  const int64_t G = p.G, J = p.J, d = p.d, e = p.e;
+  const S inf = std::numeric_limits<S>::infinity();
+  if (p.spatial_table())  // u[j, g] = rho[k, j] . q[g, :e], then base and outside added
+    contract<V>(u, G, 1, {tl.rho_local + k * J * e, e, 1}, {tl.q, d, 1}, J, G, e, false);
+  for (int64_t j = 0; j < J; ++j) {
+    V outside{};
+    for (int64_t t = 0; t < T; ++t) outside[t] = p.inside(tl.i[t], j) ? S(0) : -inf;
+    if (p.spatial_table()) {
+      for (int64_t g = 0; g < G; ++g) u[j * G + g] += (base ? base[j * G + g] : V{}) + outside;
+      continue;
+    }
+    if (e && !p.single) tl.gather_rho(p, k, j);
+    for (int64_t g = 0; g < G; ++g) {
+      V x = (base ? base[j * G + g] : V{}) + outside;
+      if (e) {
+        if (p.single) tl.gather_rho(p, g, j);  // v = g: its own table row
+        for (int64_t c = 0; c < e; ++c) x += tl.q[g * d + c] * tl.r[c];
+      }
+      u[j * G + g] = x;
+    }
+  }
+}
+
+// b[j, g] <- sm exp(b - max_j b) / sum_j (...) = softmax_j(b + log sm), in place.
+template <typename S>
+void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename Tile<S>::V* sm) {
+  using V = typename Tile<S>::V;
+  const S inf = std::numeric_limits<S>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    V top = V{} - inf;
+    for (int64_t j = 0; j < J; ++j) top = b[j * G + g] > top ? b[j * G + g] : top;
+    V sum{};
+    for (int64_t j = 0; j < J; ++j)
+      sum += b[j * G + g] = sm[j * G + g] * exp_shifted<S>(b[j * G + g] - top);
+    const V inv = 1 / sum;
+    for (int64_t j = 0; j < J; ++j) b[j * G + g] *= inv;
+  }
+}
+
+// pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
+// parts every v shares (group_row completes them per v).
 template <typename S>
 void forward_tile(const Problem<S>& p, Tile<S>& tl) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
+  const int64_t G = p.G, M = p.M, J = p.J, d = p.d;
   for (int64_t j = 0; j < J; ++j) {
     V* pj = tl.pi + j * M * G;  // (M, G): logits, then pi
     const V* kj = tl.kg + j * M * d;
-    // c[m, g] = gl[m, g] + k[j, m] . q[g]
-    if (p.gl) std::copy(tl.gl, tl.gl + M * G, pj);
-    contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.gl);
-    for (int64_t g = 0; g < G; ++g) {  // softmax over m
+    // c[m, g] = gl[m, g] + k[j, m] . q[g];  by_v: c0 = k[j, m] . q[g], kept in c0
+    if (p.by_v) {
+      V* cj = tl.c0 + j * M * G;
+      contract<V>(cj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, false);
+      std::copy(cj, cj + M * G, pj);
+    } else {
+      if (p.gl) std::copy(tl.gl, tl.gl + M * G, pj);
+      contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.gl);
+    }
+    for (int64_t g = 0; g < G; ++g) {  // softmax over m (by_v: its numerators only)
       V top = pj[g];
       for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
       V sum{};
       for (int64_t m = 0; m < M; ++m) sum += pj[m * G + g] = exp_shifted<S>(pj[m * G + g] - top);
       tl.mx[j * G + g] = top;
       tl.sm[j * G + g] = sum;
+      if (p.by_v) continue;
       const V inv = 1 / sum;
       for (int64_t m = 0; m < M; ++m) pj[m * G + g] *= inv;
     }
@@ -367,42 +447,84 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
       }
     }
     // W[j, g] = sum_m pi keep[j, m, g] v[j, m]
-    contract<V>(tl.w + j * G * d, d, 1, {tl.kept(p, j), 1, G}, {tl.vg + j * M * d, 1, d}, G, d, M,
-                false);
+    if (!p.by_v)
+      contract<V>(tl.w + j * G * d, d, 1, {tl.kept(p, j), 1, G}, {tl.vg + j * M * d, 1, d}, G,
+                  d, M, false);
   }
-  // outer logits u (rows, J, G), then beta = softmax_j(u + log sm)
-  const S inf = std::numeric_limits<S>::infinity();
+  if (p.by_v) {  // u[k] = s[k] (outside: -inf), to which each v adds its lse
+    for (int64_t k = 0; k < p.K; ++k) outer_logits(p, tl, k, tl.u + k * J * G, nullptr);
+    return;
+  }
+  // outer logits u (rows, J, G) = s + mx, then beta = softmax_j(u + log sm)
   for (int64_t k = 0; k < p.rows(); ++k) {
     V* bk = tl.beta + k * J * G;
-    if (p.spatial_table())  // u[k, j, g] = rho[k, j] . q[g, :e], then mx and outside added
-      contract<V>(bk, G, 1, {tl.rho_local + k * J * e, e, 1}, {tl.q, d, 1}, J, G, e, false);
-    for (int64_t j = 0; j < J; ++j) {
-      V outside{};
-      for (int64_t t = 0; t < T; ++t) outside[t] = p.inside(tl.i[t], j) ? S(0) : -inf;
-      if (p.spatial_table()) {
-        for (int64_t g = 0; g < G; ++g) bk[j * G + g] += tl.mx[j * G + g] + outside;
-        continue;
-      }
-      if (e && !p.single) tl.gather_rho(p, k, j);
-      for (int64_t g = 0; g < G; ++g) {
-        V acc = tl.mx[j * G + g] + outside;
-        if (e) {
-          if (p.single) tl.gather_rho(p, g, j);  // v = g: its own table row
-          for (int64_t c = 0; c < e; ++c) acc += tl.q[g * d + c] * tl.r[c];
-        }
-        bk[j * G + g] = acc;
-      }
-    }
+    outer_logits(p, tl, k, bk, tl.mx);
+    outer_softmax<S>(J, G, bk, tl.sm);
+  }
+}
+
+// by_v, output element v: ev (evk), sm, beta and a = beta / sm (J, G), and P[v] (J, M).
+// ev = exp(c0 - mx) exp(gl[v] - max_m gl[v]): one product per entry instead of an exp; the
+// shift max_m gl[v] does not depend on j, so it cancels in the softmax over j. Where a product
+// could have lost its largest term to underflow (sm below M exp(low / 2) on some lane), this v
+// takes exp(c - max_m c) itself.
+template <typename S>
+void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
+  using V = typename Tile<S>::V;
+  constexpr int64_t T = Tile<S>::T;
+  const int64_t G = p.G, M = p.M, J = p.J, MG = M * G;
+  const S inf = std::numeric_limits<S>::infinity();
+  const V* glv = tl.gl + v * MG;
+  for (int64_t g = 0; g < G; ++g) {
+    V top = glv[g];
+    for (int64_t m = 1; m < M; ++m) top = glv[m * G + g] > top ? glv[m * G + g] : top;
+    for (int64_t m = 0; m < M; ++m) tl.egl[m * G + g] = exp_shifted<S>(glv[m * G + g] - top);
+  }
+  V least = V{} + inf;
+  for (int64_t j = 0; j < J; ++j) {
+    const V* e0 = tl.pi + j * MG;
+    V* evj = tl.ev + j * MG;
+    for (int64_t mg = 0; mg < MG; ++mg) evj[mg] = e0[mg] * tl.egl[mg];
     for (int64_t g = 0; g < G; ++g) {
-      V top = V{} - inf;
-      for (int64_t j = 0; j < J; ++j) top = bk[j * G + g] > top ? bk[j * G + g] : top;
-      V sum{};
-      for (int64_t j = 0; j < J; ++j)
-        sum += bk[j * G + g] = tl.sm[j * G + g] * exp_shifted<S>(bk[j * G + g] - top);
-      const V inv = 1 / sum;
-      for (int64_t j = 0; j < J; ++j) bk[j * G + g] *= inv;
+      V sum = evj[g];
+      for (int64_t m = 1; m < M; ++m) sum += evj[m * G + g];
+      tl.sm[j * G + g] = sum;
+      least = sum < least ? sum : least;
     }
   }
+  const V* shift = tl.mx;
+  const S tiny = M * std::exp(Lanes<S>::low / 2);
+  bool exact = true;
+  for (int64_t t = 0; t < T; ++t) exact &= least[t] >= tiny;
+  if (!exact) {
+    for (int64_t j = 0; j < J; ++j) {
+      const V* cj = tl.c0 + j * MG;
+      V* evj = tl.ev + j * MG;
+      for (int64_t mg = 0; mg < MG; ++mg) evj[mg] = cj[mg] + glv[mg];
+      for (int64_t g = 0; g < G; ++g) {
+        V top = evj[g];
+        for (int64_t m = 1; m < M; ++m) top = evj[m * G + g] > top ? evj[m * G + g] : top;
+        V sum{};
+        for (int64_t m = 0; m < M; ++m)
+          sum += evj[m * G + g] = exp_shifted<S>(evj[m * G + g] - top);
+        tl.mxv[j * G + g] = top;
+        tl.sm[j * G + g] = sum;
+      }
+    }
+    shift = tl.mxv;
+  }
+  // beta = softmax_j(s[v] + shift + log sm)
+  const V* uv = tl.u + (p.K > 1 ? v : 0) * J * G;
+  for (int64_t jg = 0; jg < J * G; ++jg) tl.beta[jg] = uv[jg] + shift[jg];
+  outer_softmax<S>(J, G, tl.beta, tl.sm);
+  for (int64_t jg = 0; jg < J * G; ++jg) tl.a[jg] = tl.beta[jg] / tl.sm[jg];
+  if (p.threshold)
+    for (int64_t a = 0; a < J * MG; ++a) tl.evk[a] = tl.ev[a] * tl.keep[a];
+  const V* evk = p.threshold ? tl.evk : tl.ev;
+  // P[v, j, m] = sum_g beta pi keep = sum_g a evk
+  V* pv = tl.pv + v * J * M;
+  for (int64_t j = 0; j < J; ++j)
+    contract<V>(pv + j * M, 0, 1, {tl.a + j * G, 0, 1}, {evk + j * MG, G, 1}, 1, M, G, false);
 }
 
 // out (Z, d, V, L) at the tile's queries.
@@ -410,9 +532,13 @@ template <typename S>
 void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
   using V = typename Tile<S>::V;
   const int64_t G = p.G, J = p.J, d = p.d;
-  const int64_t rows = p.single ? G : p.K;  // distinct output rows
+  const int64_t rows = p.single ? G : p.rows();  // distinct output rows
   V* o = tl.w + J * G * d;  // (rows, d), in the workspace after W
-  if (p.single) {  // out[g] = sum_j beta[j, g] W[j, g]
+  if (p.by_v) {  // out[v] = sum_(j,m) P[v, j, m] val[j, m]
+    for (int64_t v = 0; v < p.V; ++v) group_row(p, tl, v);
+    const int64_t JM = J * p.M;
+    contract<V>(o, d, 1, {tl.pv, JM, 1}, {tl.vg, 1, d}, rows, d, JM, false);
+  } else if (p.single) {  // out[g] = sum_j beta[j, g] W[j, g]
     for (int64_t g = 0; g < G; ++g)
       contract<V>(o + g * d, 0, 1, {tl.beta + g, 0, G}, {tl.w + g * d, 1, G * d}, 1, d, J, false);
   } else {  // out[k] = sum_(j,g) beta[k, j, g] W[j, g]
@@ -453,8 +579,48 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     for (int64_t v = 1; v < p.V; ++v)
       for (int64_t c = 0; c < d; ++c) tl.go[c] += tl.go[v * d + c];
   }
-  // dbeta (into dt) and dW
-  if (p.single) {  // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
+  std::fill(tl.dq, tl.dq + G * d, V{});
+  if (p.by_v) {
+    const int64_t MG = M * G, JM = J * M;
+    // dP[v, j, m] = go[v] . val[j, m]
+    contract<V>(tl.dpv, JM, 1, {tl.go, d, 1}, {tl.vg, d, 1}, p.V, JM, d, false);
+    std::fill(tl.dc, tl.dc + J * MG, V{});
+    for (int64_t v = 0; v < p.V; ++v) {
+      group_row(p, tl, v);
+      const V* evk = p.threshold ? tl.evk : tl.ev;
+      const V* dp = tl.dpv + v * JM;
+      V* dtv = tl.dt + v * J * G;
+      // dbeta[j, g] = sum_m pi keep dP = (1 / sm) sum_m evk dP, into dt
+      for (int64_t j = 0; j < J; ++j)
+        contract<V>(dtv + j * G, 0, 1, {dp + j * M, 0, 1}, {evk + j * MG, 1, G}, 1, G, M, false);
+      // acc[g] = sum_j beta dbeta;  dt = beta (dbeta - acc)
+      for (int64_t g = 0; g < G; ++g) {
+        V sum{};
+        for (int64_t j = 0; j < J; ++j) sum += tl.a[j * G + g] * dtv[j * G + g];
+        tl.acc[g] = sum;
+        for (int64_t j = 0; j < J; ++j)
+          dtv[j * G + g] = tl.a[j * G + g] * dtv[j * G + g] - tl.beta[j * G + g] * sum;
+      }
+      // dc = pi (dpi - sum_m pi dpi + dt) = beta pi (keep dP - acc) = a (evk dP - ev acc);
+      // dgl[v] = sum_j dc;  DC = sum_v dc
+      V* dglv = tl.dgl + v * MG;
+      std::fill(dglv, dglv + MG, V{});
+      for (int64_t j = 0; j < J; ++j)
+        for (int64_t m = 0; m < M; ++m) {
+          const V x = dp[j * M + m];
+          const int64_t at = (j * M + m) * G;
+          for (int64_t g = 0; g < G; ++g) {
+            const V y = tl.a[j * G + g] * (evk[at + g] * x - tl.ev[at + g] * tl.acc[g]);
+            tl.dc[at + g] += y;
+            dglv[m * G + g] += y;
+          }
+        }
+    }
+    // dv[j, m] = sum_v P[v, j, m] go[v];  dk[j, m] = sum_g DC[j, m, g] q[g]
+    contract<V>(tl.dvg, d, 1, {tl.pv, 1, JM}, {tl.go, 1, d}, JM, d, p.V, false);
+    contract<V>(tl.dkg, d, 1, {tl.dc, G, 1}, {tl.q, 1, d}, JM, d, G, false);
+  } else if (p.single) {  // dbeta (into dt) and dW
+    // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
     for (int64_t g = 0; g < G; ++g)
       contract<V>(tl.dt + g, 0, G, {tl.go + g * d, 0, 1}, {tl.w + g * d, G * d, 1}, 1, J, d, false);
     for (int64_t j = 0; j < J; ++j)
@@ -467,7 +633,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   }
   // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
   std::fill(tl.dlse, tl.dlse + J * G, V{});
-  for (int64_t k = 0; k < rows; ++k)
+  for (int64_t k = 0; k < rows && !p.by_v; ++k)
     for (int64_t g = 0; g < G; ++g) {
       const V* bk = tl.beta + k * J * G;
       V* dtk = tl.dt + k * J * G;
@@ -479,7 +645,6 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
       }
     }
   // the spatial term: dq[g, :e] = sum_(k,j) dt[k,j,g] rho[k or g, off]; d rho
-  std::fill(tl.dq, tl.dq + G * d, V{});
   if (p.spatial_table()) {  // one table: two contractions over (k, j) and g
     contract<V>(tl.dq, d, 1, {tl.dt, 1, G}, {tl.rho_local, 1, e}, G, e, rows * J, true);
     contract<V>(drho_local, e, 1, {tl.dt, G, 1}, {tl.q, 1, d}, rows * J, e, G, true);
@@ -500,8 +665,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
       }
   }
   // the inner softmax, the keys and the values
-  if (gr.dgl) std::fill(tl.dgl, tl.dgl + M * G, V{});
-  for (int64_t j = 0; j < J; ++j) {
+  if (gr.dgl && !p.by_v) std::fill(tl.dgl, tl.dgl + M * G, V{});
+  for (int64_t j = 0; j < J && !p.by_v; ++j) {
     const V* pj = tl.pi + j * M * G;
     const V* dwj = tl.dw + j * G * d;
     V* dc = tl.dc + j * M * G;
@@ -525,9 +690,10 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
 
   // scatter to the tile's queries and their neighbours
   for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
+  const int64_t gl_size = (p.by_v ? p.V : 1) * M * G;
   if (gr.dgl)
-    for (int64_t mg = 0; mg < M * G; ++mg)
-      tl.store_row(gr.dgl + (tl.z * M * G + mg) * p.L, tl.dgl[mg]);
+    for (int64_t a = 0; a < gl_size; ++a)
+      tl.store_row(gr.dgl + (tl.z * gl_size + a) * p.L, tl.dgl[a]);
   for (int64_t j = 0; j < J; ++j)
     for (int64_t mc = 0; mc < M * d; ++mc) {  // outside neighbours add 0 (beta = 0)
       tl.scatter_add(p, j, gr.dk + (tl.z * M * d + mc) * p.Lkv, tl.dkg[j * M * d + mc]);
@@ -555,6 +721,7 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   p.D = rho ? rho->size(1) : 0;
   p.V = n;
   p.single = single;
+  p.by_v = gl && gl->dim() == 5;
   p.K = (single || !p.e) ? 1 : n;
   p.threshold = static_cast<uint32_t>(threshold);
   p.s0 = static_cast<uint32_t>(static_cast<uint64_t>(seed));
@@ -575,10 +742,16 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g
   TORCH_CHECK(nb.scalar_type() == at::kLong && nb.is_contiguous() && nb.dim() == 2 &&
                   nb.size(0) == q.size(3),
               "neighbour must be contiguous int64 (L, J)");
-  if (gl)
+  if (gl) {
+    const bool by_v = gl->dim() == 5;
+    const std::vector<int64_t> shape =
+        by_v ? std::vector<int64_t>{q.size(0), n, k.size(1), q.size(1), q.size(3)}
+             : std::vector<int64_t>{q.size(0), k.size(1), q.size(1), q.size(3)};
     TORCH_CHECK(gl->is_contiguous() && gl->scalar_type() == q.scalar_type() &&
-                    gl->sizes() == at::IntArrayRef({q.size(0), k.size(1), q.size(1), q.size(3)}),
-                "group logits must be contiguous (Z, M, G, L)");
+                    gl->sizes() == at::IntArrayRef(shape),
+                "group logits must be contiguous (Z, M, G, L) or (Z, V, M, G, L)");
+    TORCH_CHECK(!(by_v && single), "the single form takes group logits (Z, M, G, L)");
+  }
   if (rho) {
     TORCH_CHECK(rho->is_contiguous() && rho->scalar_type() == q.scalar_type() &&
                     rho->dim() == 3 && rho->size(0) == n && rho->size(2) <= q.size(2),

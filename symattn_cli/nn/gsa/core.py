@@ -157,8 +157,8 @@ def factorised_attention(
     single = form == "single"
     gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
     which = backend_for(q.device, q.dtype, backend)
-    if gl is not None and gl.dim() == 5 and which != "torch":
-        which = "torch"  # the fused kernels do not take a v-dependent group term yet
+    if gl is not None and gl.dim() == 5 and which == "cpp":
+        which = "torch"  # the C++ kernel does not take a v-dependent group term yet
     if which == "cpp":
         out = cpp.cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n,
                                 threshold, seed)  # fmt: skip

@@ -125,7 +125,7 @@ def _block(
     if GL_V:  # lse of row v at each v (T = V)
         t = tl.full((BT, BJ, BG), 0.0, q_row.dtype.element_ty)
         for v in range(T):
-            _, lse = _inner(qk, gl_row + v * M * G, counts, M, G, True, BM, BG)
+            pi_v, lse = _inner(qk, gl_row + v * M * G, counts, M, G, True, BM, BG)
             t = tl.where(k[:, None, None] == v, lse[None, :, :], t)
         pi = qk
     else:
@@ -179,7 +179,7 @@ def _mixed(qk, gl_row, counts, keep, beta, M, G, T, DROP: tl.constexpr,
     k = tl.arange(0, BT)
     mixed = tl.full((BT, BJ, BM), 0.0, qk.dtype)
     for v in range(T):
-        pik, _ = _inner(qk, gl_row + v * M * G, counts, M, G, True, BM, BG)
+        pik, lse = _inner(qk, gl_row + v * M * G, counts, M, G, True, BM, BG)
         if DROP:
             pik = tl.where(keep, pik, 0.0)
         p = tl.sum(pik * _row(beta, k, v)[:, None, :], axis=2)  # (BJ, BM)
@@ -309,7 +309,7 @@ def attention_backward(
                 goc = tl.load(go_row + k * d + ch, mask=k < T, other=0.0)  # (BT,)
                 dmixed += goc[:, None, None] * vc[None, :, :]
             for v in range(T):
-                pik, _ = _inner(pi, gl_row + v * M * G, counts, M, G, True, BM, BG)
+                pik, lse = _inner(pi, gl_row + v * M * G, counts, M, G, True, BM, BG)
                 if DROP:
                     pik = tl.where(keep, pik, 0.0)
                 dbeta = tl.sum(pik * _row(dmixed, k, v)[:, :, None], axis=1)  # (BJ, BG)
@@ -350,7 +350,7 @@ def attention_backward(
             dt = tl.full((BT, BJ, BG), 0.0, dtype)
             dc = tl.full((BJ, BM, BG), 0.0, dtype)  # sum_v dc_v
             for v in range(T):
-                pi_v, _ = _inner(pi, gl_row + v * M * G, counts, M, G, True, BM, BG)
+                pi_v, lse = _inner(pi, gl_row + v * M * G, counts, M, G, True, BM, BG)
                 pik = pi_v
                 if DROP:
                     pik = tl.where(keep, pi_v, 0.0)

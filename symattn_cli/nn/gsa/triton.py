@@ -22,6 +22,10 @@ ENV = "TRITON_INTERPRET"
 # Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
 # so that the sum form's backward compiles without register spills (r8: 16 neighbours a block).
 BLOCK_ELEMENTS = 1024
+# The same with a group term that depends on v, whose backward holds about twice as many such
+# tensors: r8 at 8 neighbours a block (for sm_90, its backward 128 registers in float32 and 224
+# in float64 with at most 12 bytes spilled; at 16, float64 hits 255 and spills 152 bytes).
+BLOCK_ELEMENTS_V = 512
 NUM_WARPS = 4
 
 _MASK32 = 0xFFFFFFFF
@@ -62,7 +66,7 @@ def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: in
     bm, bg, bd, bt = _power2(m), _power2(g), _power2(d), _power2(rows)
     # largest per-neighbour block: (BJ, BM, BG), (BT, BJ, BG), and with gl_v (BT, BJ, BM)
     widest = max(bm * bg, bt * bg, bt * bm if gl_v else 0)
-    bj = max(1, BLOCK_ELEMENTS // widest)
+    bj = max(1, (BLOCK_ELEMENTS_V if gl_v else BLOCK_ELEMENTS) // widest)
     bj = min(_power2(j), 1 << (bj.bit_length() - 1))  # a power of two
     sizes = (n_q, n_kv, j, m, g, d, e, distinct, n, rows,
              seed & _MASK32, (seed >> 32) & _MASK32, threshold)  # fmt: skip

@@ -46,12 +46,33 @@ def _small(shape: dict) -> dict:
     return {**shape, "z": 1, "n_q": 3}
 
 
+def _kernel_only(monkeypatch) -> list:
+    """Makes the torch backend unreachable from the dispatcher, and records whether each
+    kernel launch had a v-dependent group term (GL_V)."""
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("the dispatcher fell back to the torch backend")
+
+    monkeypatch.setattr(core, "torch_attention", fallback)
+    program, flags = gsa_triton._program, []
+
+    def recorded(*args):
+        module, kernel_args, meta = program(*args)
+        flags.append(meta["GL_V"])
+        return module, kernel_args, meta
+
+    monkeypatch.setattr(gsa_triton, "_program", recorded)
+    return flags
+
+
 @pytest.mark.parametrize(("form", "shape"), CASES)
 @pytest.mark.parametrize(("drop", "block"), [(0.0, None), (0.3, 2)])
 def test_matches_the_dense_oracle(form, shape, drop, block, device, monkeypatch):
     """Values and gradients to float64 round-off, with the same dropout masks; all neighbours
     in one block, or ``block`` a block (the statistics carried from block to block; 9
-    neighbours leave the last block partly filled)."""
+    neighbours leave the last block partly filled). The kernel runs every case itself, a
+    v-dependent group term (``by_v``) included."""
+    flags = _kernel_only(monkeypatch)
     if block:
         launch = gsa_triton._launch
 
@@ -66,9 +87,43 @@ def test_matches_the_dense_oracle(form, shape, drop, block, device, monkeypatch)
     assert len(ours) == len(oracle)
     for a, b in zip(ours, oracle, strict=True):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+    # forward and backward; in the single form the dispatcher hands over the diagonal
+    assert flags == [shape.get("by_v", False) and form == "sum"] * 2
 
 
-@pytest.mark.parametrize(("form", "shape"), CASES[:5])
+@pytest.mark.parametrize("block", [1, 4, None])
+def test_v_dependent_group_term_over_blocks(block, device, monkeypatch):
+    """gl ``(Z, L, V, M, G)`` in the kernel: 9 neighbours (global offsets, one invalid for
+    some queries) in blocks of 1, 4 (the last partly filled) or all in one, dropout on: its
+    logsumexp per v, the output rows per v and dgl per v summed over blocks."""
+    flags = _kernel_only(monkeypatch)
+    launch = gsa_triton._launch
+
+    def blocks_of(*args):
+        sizes, blocks = launch(*args)
+        assert blocks["BT"] == 4 and sizes[9] == 3  # T = V rows of the outer logits
+        return sizes, {**blocks, "BJ": block or blocks["BJ"]}
+
+    monkeypatch.setattr(gsa_triton, "_launch", blocks_of)
+    inputs = _on(device, _inputs(z=2, n_q=2, j=9, local=False, by_v=True))
+    ours = _run(factorised_attention, inputs, "sum", drop=0.3, backend="triton")
+    oracle = _run(_dense(0.3), inputs, "sum")
+    for a, b in zip(ours, oracle, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+    assert flags == [True, True]
+
+
+def test_v_dependent_group_term_needs_the_sum_form(device):
+    q, k, v, g_rho, rho, offsets, nb, valid, n = _on(device, _inputs(z=1, n_q=3, by_v=True))
+    gl = core.group_logits(q, g_rho)  # (Z, L, V, M, G)
+    args = (q, k, v, gl, rho, offsets, nb, valid)
+    with pytest.raises(ValueError, match="sum form"):
+        gsa_triton.triton_attention(*args, True, n, 0, 0)
+    with pytest.raises(ValueError, match="V = 4 rows"):
+        gsa_triton.triton_attention(*args, False, 4, 0, 0)
+
+
+@pytest.mark.parametrize(("form", "shape"), CASES[:5] + CASES[10:13])
 def test_float32_matches_the_float64_oracle(form, shape, device):
     inputs = _on(device, _inputs(**_small(shape)))
     ours = _run(factorised_attention, inputs, form, torch.float32, drop=0.2, backend="triton")
@@ -165,6 +220,9 @@ COMPILED = [
     ("single", dict(local=False), "float32", 0.0, True),  # global
     ("sum", dict(g=1, m=1), "float32", 0.0, True),  # lifting
     ("sum", dict(g=8, m=8, d=10, e=6, j=25), "float32", 0.1, False),  # r8, no spatial term
+    ("sum", dict(by_v=True), "float32", 0.1, True),  # a group term that sees v (GL_V)
+    ("sum", dict(by_v=True, local=False), "float64", 0.1, True),
+    ("sum", dict(g=8, m=8, d=10, e=6, j=25, by_v=True), "float32", 0.1, True),  # r8, GL_V
 ]
 
 

@@ -21,7 +21,15 @@ two ordinary softmaxes:
     beta = softmax_j(s[v, :, g] + lse[:, g])         outer: over neighbours
 
 so out(i, v) = sum_(j, g) beta[v, j, g] W[j, g] with W[j, g] = sum_m pi[j, m, g] val[j, m].
-The reference's (V, G, J, M) logits per query never exist. The "single" form has one query
+The reference's (V, G, J, M) logits per query never exist.
+
+A group index that sees v (``pair``, ``gevit``, ``shifted``; :mod:`.layer`) gives group logits
+gl[v, m, g], so pi, lse and beta carry v too: pi[v, j, m, g] = softmax_m(c + gl[v]) and beta =
+softmax_j(s[v] + lse[v]). The probabilities are then mixed over g before the values,
+
+    P[v, j, m] = sum_g beta[v, j, g] pi[v, j, m, g],    out(i, v) = sum_(j, m) P[v, j, m] val[j, m],
+
+so the value work is one weighted sum per (v, key), not one per (v, g, key). The "single" form has one query
 per output element (g = v): out(i, g) = sum_j beta[j, g] W[j, g], with s[j, g] taken at v = g.
 Lifting is the sum form with G = M = 1 (pi = 1). Neighbours outside the image (``valid``
 false) get beta = 0. The spatial encoding is a table ``rho (V, D, e)`` over distinct offsets,
@@ -158,8 +166,6 @@ def factorised_attention(
     single = form == "single"
     gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
     which = backend_for(q.device, q.dtype, backend)
-    if gl is not None and gl.dim() == 5 and which == "triton":
-        which = "torch"  # the GPU kernel does not take a v-dependent group term yet
     if which == "cpp":
         out = cpp.cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n,
                                 threshold, seed)  # fmt: skip

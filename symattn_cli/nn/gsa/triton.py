@@ -22,6 +22,10 @@ ENV = "TRITON_INTERPRET"
 # Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
 # so that the sum form's backward compiles without register spills (r8: 16 neighbours a block).
 BLOCK_ELEMENTS = 1024
+# The same with a group term that depends on v, whose backward holds about twice as many such
+# tensors: r8 at 8 neighbours a block (for sm_90, its backward 128 registers in float32 and 224
+# in float64 with at most 12 bytes spilled; at 16, float64 hits 255 and spills 152 bytes).
+BLOCK_ELEMENTS_V = 512
 NUM_WARPS = 4
 
 _MASK32 = 0xFFFFFFFF
@@ -50,15 +54,19 @@ def _power2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: int):
-    """The kernels' size arguments and block sizes."""
+def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: int,
+            gl_v: bool = False):  # fmt: skip
+    """The kernels' size arguments and block sizes; ``gl_v``: a group term that depends on
+    v."""
     _, n_q, g, d = q.shape
     n_kv, m = k.shape[1:3]
     j = neighbour.shape[1]
     e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
-    rows = 1 if single or rho is None else n  # T: rows of the outer logits
+    rows = n if gl_v or not (single or rho is None) else 1  # T: rows of the outer logits
     bm, bg, bd, bt = _power2(m), _power2(g), _power2(d), _power2(rows)
-    bj = max(1, BLOCK_ELEMENTS // (bg * max(bm, bt)))
+    # largest per-neighbour block: (BJ, BM, BG), (BT, BJ, BG), and with gl_v (BT, BJ, BM)
+    widest = max(bm * bg, bt * bg, bt * bm if gl_v else 0)
+    bj = max(1, (BLOCK_ELEMENTS_V if gl_v else BLOCK_ELEMENTS) // widest)
     bj = min(_power2(j), 1 << (bj.bit_length() - 1))  # a power of two
     sizes = (n_q, n_kv, j, m, g, d, e, distinct, n, rows,
              seed & _MASK32, (seed >> 32) & _MASK32, threshold)  # fmt: skip
@@ -103,14 +111,15 @@ class TritonAttention(torch.autograd.Function):
 def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
     """The kernel module, the kernels' common arguments and their compile-time ones. Absent
     tensors are replaced by a stand-in that is never read."""
-    sizes, blocks = _launch(q, k, rho, neighbour, single, n, threshold, seed)
+    gl_v = gl is not None and gl.dim() == 5
+    sizes, blocks = _launch(q, k, rho, neighbour, single, n, threshold, seed, gl_v)
     args = (
         q, k, v, q if gl is None else gl, q if rho is None else rho,
         neighbour if offsets is None else offsets, neighbour,
         neighbour if valid is None else valid.view(torch.int8), *sizes,
     )  # fmt: skip
     flags = dict(
-        HAS_GL=gl is not None, HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None,
+        HAS_GL=gl is not None, GL_V=gl_v, HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None,
         HAS_VALID=valid is not None, SINGLE=single, DROP=threshold > 0,
     )  # fmt: skip
     return kernels(), args, {**flags, **blocks}
@@ -119,7 +128,8 @@ def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, 
 def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
     """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the Triton kernel, without
     the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``gl`` ``(Z, L, M, G)``: the group logits,
-    or None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. float32 or
+    ``(Z, L, V, M, G)`` where they depend on the output element v (sum form only), or None;
+    dropout keeps an entry whose 15-bit hash is at least ``threshold``. float32 or
     float64 CUDA tensors, or CPU tensors in Triton's interpreter."""
     if not available():
         raise ValueError(
@@ -137,6 +147,11 @@ def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, thr
         raise ValueError(f"attention backend 'triton' takes floating-point inputs, not {q.dtype}")
     if any(t is not None and t.dtype != q.dtype for t in (k, v, gl, rho)):
         raise ValueError("q, k, v and the encodings must share one dtype")
+
+    if gl is not None and gl.dim() == 5 and (single or gl.shape[2] != n):
+        raise ValueError(
+            f"v-dependent group logits {tuple(gl.shape)} need the sum form and V = {n} rows"
+        )
 
     def flat(t):
         return None if t is None else t.contiguous()

@@ -27,10 +27,12 @@ A group index that sees v (``pair``, ``gevit``, ``shifted``; :mod:`.layer`) give
 gl[v, m, g], so pi, lse and beta carry v too: pi[v, j, m, g] = softmax_m(c + gl[v]) and beta =
 softmax_j(s[v] + lse[v]). The probabilities are then mixed over g before the values,
 
-    P[v, j, m] = sum_g beta[v, j, g] pi[v, j, m, g],    out(i, v) = sum_(j, m) P[v, j, m] val[j, m],
+    P[v, j, m] = sum_g beta[v, j, g] pi[v, j, m, g]
+    out(i, v)  = sum_(j, m) P[v, j, m] val[j, m]
 
-so the value work is one weighted sum per (v, key), not one per (v, g, key). The "single" form has one query
-per output element (g = v): out(i, g) = sum_j beta[j, g] W[j, g], with s[j, g] taken at v = g.
+so the value work is one weighted sum per (v, key), not one per (v, g, key).
+
+The "single" form has one query per output element (g = v): out(i, g) = sum_j beta[j, g] W[j, g], with s[j, g] taken at v = g.
 Lifting is the sum form with G = M = 1 (pi = 1). Neighbours outside the image (``valid``
 false) get beta = 0. The spatial encoding is a table ``rho (V, D, e)`` over distinct offsets,
 indexed per (query, neighbour) by ``offsets (L, J)`` (None when local: D = J, the same for

@@ -34,9 +34,9 @@ so the value work is one weighted sum per (v, key), not one per (v, g, key).
 
 The "single" form has one query per output element (g = v): out(i, g) = sum_j beta[j, g]
 W[j, g], with s[j, g] and gl taken at v = g. Lifting is the sum form with G = M = 1 (pi = 1).
-Neighbours outside the image (``valid`` false) get beta = 0. The spatial encoding is a table ``rho (V, D, e)`` over distinct offsets,
-indexed per (query, neighbour) by ``offsets (L, J)`` (None when local: D = J, the same for
-every query).
+Neighbours outside the image (``valid`` false) get beta = 0. The spatial encoding is a table
+``rho (V, D, e)`` over distinct offsets, indexed per (query, neighbour) by ``offsets (L, J)``
+(None when local: D = J, the same for every query).
 
 Attention dropout zeroes entries of pi (shared by every v) by a keep mask that is a hash of
 (seed, z, i, j, m, g) (:func:`~symattn_cli.nn.gsa.common.keep_mask`): every backend draws the

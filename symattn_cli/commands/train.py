@@ -62,6 +62,7 @@ def train(cfg: Any) -> dict[str, float]:
     from symattn_cli.models.registry import build_model
     from symattn_cli.train.curves import CURVES_FILE, epoch_plotter
     from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
+    from symattn_cli.train.profile import profiled
     from symattn_cli.train.progress import Progress
     from symattn_cli.train.runfile import NullRunFile, RunFile, read_state
     from symattn_cli.train.settings import TrainSettings
@@ -124,45 +125,47 @@ def train(cfg: Any) -> dict[str, float]:
         mode=cfg.logger.mode if world.is_main else "disabled",
         run_id=state.get("tracker_id") if state else None,
     )
-    exit_code, draw, curves, attention = 1, False, None, None
-    title = f"{type(model).__name__} on {_data_name(cfg)}: {directory.name}"
-    redraw = epoch_plotter(run_file, directory / CURVES_FILE, title) if world.is_main else None
-    try:
-        with Progress(settings.progress if world.is_main else "none") as progress:
-            trainer = Trainer(
-                model,
-                data,
-                settings,
-                run_file=run_file,
-                tracker=tracker,
-                seed=cfg.seed,
-                progress=progress,
-                world=world,
-                on_epoch=redraw,
-            )
-            if state is not None:
-                trainer.load_state(state)
-                progress.message(f"resuming {resume_path} after epoch {trainer.epoch}")
-            summary = trainer.fit()
-        run_file.set_summary(summary)
-        run_file.set_status("finished")
-        tracker.summary(summary)
-        exit_code, draw = 0, True
-    except DivergedError:
-        run_file.set_status("diverged")
-        draw = True  # worth a look: where the loss went
-        raise
-    except BaseException:
-        run_file.set_status("failed")
-        raise
-    finally:
-        run_file.close()
-        if world.is_main and draw:
-            curves = _draw_curves(run_file.path, tracker, title)
-            if exit_code == 0:
-                attention = _draw_attention(model, data, run_file.path.parent, tracker, title)
-        tracker.finish(exit_code=exit_code)
-        shutdown(world)
+    profiling = settings.profile and world.is_main
+    with profiled(directory, enabled=profiling):  # trainer.profile=true: profile.md
+        exit_code, draw, curves, attention = 1, False, None, None
+        title = f"{type(model).__name__} on {_data_name(cfg)}: {directory.name}"
+        redraw = epoch_plotter(run_file, directory / CURVES_FILE, title) if world.is_main else None
+        try:
+            with Progress(settings.progress if world.is_main else "none") as progress:
+                trainer = Trainer(
+                    model,
+                    data,
+                    settings,
+                    run_file=run_file,
+                    tracker=tracker,
+                    seed=cfg.seed,
+                    progress=progress,
+                    world=world,
+                    on_epoch=redraw,
+                )
+                if state is not None:
+                    trainer.load_state(state)
+                    progress.message(f"resuming {resume_path} after epoch {trainer.epoch}")
+                summary = trainer.fit()
+            run_file.set_summary(summary)
+            run_file.set_status("finished")
+            tracker.summary(summary)
+            exit_code, draw = 0, True
+        except DivergedError:
+            run_file.set_status("diverged")
+            draw = True  # worth a look: where the loss went
+            raise
+        except BaseException:
+            run_file.set_status("failed")
+            raise
+        finally:
+            run_file.close()
+            if world.is_main and draw:
+                curves = _draw_curves(run_file.path, tracker, title)
+                if exit_code == 0:
+                    attention = _draw_attention(model, data, run_file.path.parent, tracker, title)
+            tracker.finish(exit_code=exit_code)
+            shutdown(world)
     if world.is_main:
         _report(summary, run_file.path, [("curves", curves), ("attention maps", attention)])
     return summary

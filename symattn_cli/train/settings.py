@@ -32,6 +32,7 @@ class TrainSettings:
     log_every_steps: int = 20  # per-step metrics every this many optimiser steps
     deterministic: bool = True
     progress: str = "auto"  # auto | rich | plain | none
+    profile: bool = False  # profile the run: wall time per part of the step, profile.md
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the bad value and the fix."""

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from symattn_cli.data.base import IGNORE_INDEX, DataBundle
@@ -253,43 +254,52 @@ class Trainer:
     def _train_epoch(self, epoch: int) -> dict[str, float]:
         self.net.train()
         totals: dict[str, float] = {}
-        loader = self._loader(self.data.train, train=True, epoch=epoch)
+        loader = iter(self._loader(self.data.train, train=True, epoch=epoch))
         self.progress.start_epoch(epoch + 1, self.settings.epochs, self.steps_per_epoch)
-        for index, (inputs, targets) in enumerate(loader):
-            if index >= self.steps_per_epoch:
-                break
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            logits = self._forward(inputs)
-            scores = _score(self.task, logits, targets)
-            loss = scores["loss"] / scores["count"].clamp(min=1)
+        for _ in range(self.steps_per_epoch):
+            # record_function: the phases a profile of the step names (benchmark preset=profile)
+            with record_function("train.data"):
+                batch = next(loader, None)
+                if batch is None:
+                    break
+                inputs, targets = batch[0].to(self.device), batch[1].to(self.device)
+            with record_function("train.forward"):
+                logits = self._forward(inputs)
+                scores = _score(self.task, logits, targets)
+                loss = scores["loss"] / scores["count"].clamp(min=1)
             if not torch.isfinite(loss):
                 raise DivergedError(
                     f"loss became {loss.item()} at epoch {epoch + 1}, step {self.step + 1}; "
                     "the run file keeps the last finished epoch. Lower trainer.lr, set "
                     "trainer.grad_clip (e.g. 1.0) or turn off trainer.amp"
                 )
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()
-            if self.settings.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
+            with record_function("train.backward"):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scaler.scale(loss).backward()
+            with record_function("train.optimizer"):
+                if self.settings.grad_clip > 0:
+                    self.scaler.unscale_(self.optimizer)
+                    nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.scheduler.step()
             self.step += 1
-            for key, value in scores.items():
-                totals[key] = totals.get(key, 0.0) + float(value.detach())
-            if self.step % self.settings.log_every_steps == 0:
-                row = {
-                    "step": self.step,
-                    "epoch": epoch + 1,
-                    "loss": loss.item(),
-                    "lr": self.scheduler.get_last_lr()[0],
-                }
-                self.run_file.append("step", row)
-                self.run_file.flush()  # live readers see steps, not only epochs
-                self.tracker.log({"train/step_loss": row["loss"], "lr": row["lr"]}, step=self.step)
-            self.progress.step(f"loss {loss.item():.4f}")
+            with record_function("train.logging"):
+                for key, value in scores.items():
+                    totals[key] = totals.get(key, 0.0) + float(value.detach())
+                if self.step % self.settings.log_every_steps == 0:
+                    row = {
+                        "step": self.step,
+                        "epoch": epoch + 1,
+                        "loss": loss.item(),
+                        "lr": self.scheduler.get_last_lr()[0],
+                    }
+                    self.run_file.append("step", row)
+                    self.run_file.flush()  # live readers see steps, not only epochs
+                    self.tracker.log(
+                        {"train/step_loss": row["loss"], "lr": row["lr"]}, step=self.step
+                    )
+                self.progress.step(f"loss {loss.item():.4f}")
         return _means(sum_across(self.world, totals))
 
     @torch.no_grad()
@@ -322,7 +332,8 @@ class Trainer:
             epoch = self.epoch
             start = time.perf_counter()
             train_scores = self._train_epoch(epoch)
-            val_scores = self.evaluate(self.data.val)
+            with record_function("train.validation"):
+                val_scores = self.evaluate(self.data.val)
             elapsed = time.perf_counter() - start
             self.train_time += elapsed
             self.epoch = epoch + 1
@@ -339,13 +350,15 @@ class Trainer:
                 )
                 self.best_scores = dict(val_scores)
                 self.run_file.write_weights(_numpy_state(self.best_state))
-            self.run_file.append("epoch", row)
-            self.run_file.write_state(self.state())
-            self.run_file.flush()
-            self.tracker.log(_tracker_keys(row), step=self.step)
-            self.progress.end_epoch(self.epoch, s.epochs, row)
+            with record_function("train.logging"):
+                self.run_file.append("epoch", row)
+                self.run_file.write_state(self.state())
+                self.run_file.flush()
+                self.tracker.log(_tracker_keys(row), step=self.step)
+                self.progress.end_epoch(self.epoch, s.epochs, row)
             if self.on_epoch is not None:
-                self.on_epoch()
+                with record_function("train.plotting"):
+                    self.on_epoch()
         return self.finish()
 
     def finish(self) -> dict[str, float]:

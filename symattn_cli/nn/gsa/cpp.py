@@ -151,13 +151,15 @@ class CppAttention(torch.autograd.Function):
         args = (offsets, neighbour, valid, single, n, threshold, seed)
         ctx.save_for_backward(q, k, v, gl, rho)
         ctx.args = args
-        return load().forward(q, k, v, gl, rho, *args)
+        with torch.profiler.record_function("gsa.kernel.forward"):  # named in profiles
+            return load().forward(q, k, v, gl, rho, *args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, gl, rho = ctx.saved_tensors
-        grads = load().backward(grad_out.contiguous(), q, k, v, gl, rho, *ctx.args)
+        with torch.profiler.record_function("gsa.kernel.backward"):
+            grads = load().backward(grad_out.contiguous(), q, k, v, gl, rho, *ctx.args)
         return *grads, *(None,) * 7
 
 

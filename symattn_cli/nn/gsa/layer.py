@@ -310,12 +310,12 @@ class GroupSelfAttention(nn.Module):
         p, r = self.patch_size, self.patch_size // 2
         q, k, v = self._qkv(x)  # (Z, d, M, H, W)
         z, d = q.shape[:2]
-        # contiguous: the core gathers rows of k and v and scatters their gradients
-        k = k.permute(0, 3, 4, 2, 1).contiguous().view(z, height * width, m, d)  # (Z, Lkv, M, d)
-        v = v.permute(0, 3, 4, 2, 1).contiguous().view(z, height * width, m, d)  # (Z, Lkv, M, d)
+        # views in the core's (Z, points, M, d) order: each backend copies into its own layout
+        k = k.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
+        v = v.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
         out_h, out_w = q.shape[-2:]
-        q = q.permute(0, 3, 4, 2, 1).contiguous().view(z, out_h * out_w, m, d)  # (Z, L, G, d)
+        q = q.reshape(z, d, m, out_h * out_w).permute(0, 3, 2, 1)  # (Z, L, G, d)
 
         dev = x.device
         tops = torch.arange(crop, height - crop, device=dev) - r  # (H',)
@@ -332,7 +332,7 @@ class GroupSelfAttention(nn.Module):
     def _attend_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """Global attention, ``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``."""
         b, _, m, n_points = x.shape
-        q, k, v = (t.permute(0, 3, 2, 1).contiguous() for t in self._qkv(x))  # (Z, I, M, d)
+        q, k, v = (t.permute(0, 3, 2, 1) for t in self._qkv(x))  # (Z, I, M, d), views
         offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
         scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
         # rho_xy once per distinct offset ((2H-1)(2W-1) on a grid), indexed per pair

@@ -56,6 +56,7 @@ def torch_attention(
     is at least ``threshold`` (:func:`~symattn_cli.nn.gsa.common.keep_mask`)."""
     z, n_q, g, _ = q.shape
     m, j = k.shape[2], neighbour.shape[1]
+    k, v = k.contiguous(), v.contiguous()  # rows gathered per neighbour, gradients scattered
     drop = threshold / DROP_STEPS
     recompute = (
         recompute

@@ -1,0 +1,136 @@
+"""Where a training run's wall time goes: a profile of the run by part of the training step.
+
+``symattn train trainer.profile=true`` runs under :mod:`torch.profiler` and writes
+``profile.md`` next to the run file. The trainer marks its phases with ``record_function``
+ranges (``train.data``, ``train.forward``, ``train.backward``, ``train.optimizer``,
+``train.logging``, ``train.validation``, ``train.plotting``) and the fused attention kernel
+its calls (``gsa.kernel.forward``, ``gsa.kernel.backward``). Each event of the main thread is
+charged its self time: a kernel range whole, an operator inside the forward and backward by
+its name (1x1 projections, layout copies, norms and activations, the rest of the step), any
+other range by the phase it lies in. What no range covers (building the model and data, the
+final test, the figures) is ``setup, test and figures``. The CPU time over the wall time says
+how many cores were busy on average.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PROFILE_FILE = "profile.md"
+PARTS = (
+    "attention kernel forward",
+    "attention kernel backward",
+    "1x1 projections (convolutions)",
+    "layout copies",
+    "norms and activations",
+    "other step operators",
+    "data",
+    "optimizer",
+    "validation",
+    "run file, tracker and progress",
+    "plotting",
+    "setup, test and figures",
+)
+_RANGES = {
+    "gsa.kernel.forward": "attention kernel forward",
+    "gsa.kernel.backward": "attention kernel backward",
+    "train.data": "data",
+    "train.optimizer": "optimizer",
+    "train.validation": "validation",
+    "train.logging": "run file, tracker and progress",
+    "train.plotting": "plotting",
+}
+_STEP = ("train.forward", "train.backward")
+_COPIES = ("copy", "contiguous", "clone", "permute", "transpose", "reshape", "view", "index",
+           "gather", "scatter", "cat", "stack", "movedim", "expand", "slice", "select")  # fmt: skip
+_NORMS = ("norm", "silu", "sigmoid", "relu", "gelu", "swish", "pool", "dropout", "softmax")
+
+
+def _operator_part(name: str) -> str:
+    """The part an operator of the forward or backward belongs to, by its name."""
+    low = name.lower()
+    if "conv" in low:
+        return "1x1 projections (convolutions)"
+    if any(word in low for word in _NORMS):
+        return "norms and activations"
+    if any(word in low for word in _COPIES):
+        return "layout copies"
+    return "other step operators"
+
+
+def charge(events) -> dict[str, float]:
+    """Seconds per part of :data:`PARTS` from the profiler's events of one thread (each with
+    ``name``, ``self_cpu_time_total`` and ``cpu_time_total`` in microseconds and
+    ``cpu_children``), walked from the top-level ones."""
+    out = dict.fromkeys(PARTS, 0.0)
+
+    def walk(event, phase: str | None) -> None:
+        name = event.name
+        if name in ("gsa.kernel.forward", "gsa.kernel.backward"):
+            out[_RANGES[name]] += event.cpu_time_total / 1e6  # the kernel, whole
+            return
+        if name in _RANGES:
+            phase = _RANGES[name]
+        elif name in _STEP:
+            phase = "step"
+        if phase == "step":
+            part = "other step operators" if name in _STEP else _operator_part(name)
+        else:
+            part = phase or "setup, test and figures"
+        out[part] += event.self_cpu_time_total / 1e6
+        for child in event.cpu_children:
+            walk(child, phase)
+
+    for event in events:
+        if event.cpu_parent is None:
+            walk(event, None)
+    return out
+
+
+@contextmanager
+def profiled(directory: Path, *, enabled: bool) -> Iterator[None]:
+    """Profile the block when ``enabled``; then print the table and write ``profile.md`` to
+    ``directory``."""
+    if not enabled:
+        yield
+        return
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no notes about absent GPUs on stderr
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    events = list(prof.events())
+    marked = [e.thread for e in events if e.name in _RANGES or e.name in _STEP]
+    if marked:  # the thread that ran the training loop
+        main = max(set(marked), key=marked.count)
+        events = [e for e in events if e.thread == main]
+    parts = charge(events)
+    parts["setup, test and figures"] += max(wall - sum(parts.values()), 0.0)
+    text = format_profile(parts, wall, cpu)
+    (directory / PROFILE_FILE).write_text(text)
+    print(text, flush=True)
+
+
+def format_profile(parts: dict[str, float], wall: float, cpu: float) -> str:
+    """The profile as a Markdown table: seconds and share of the wall time per part."""
+    lines = [
+        f"**wall {wall:.1f} s, CPU {cpu:.1f} s ({cpu / max(wall, 1e-9):.2f} CPU s per wall s)**",
+        "",
+        "| part | wall s | share |",
+        "|---|---:|---:|",
+    ]
+    for part in PARTS:
+        lines.append(f"| {part} | {parts[part]:.2f} | {parts[part] / max(wall, 1e-9):.1%} |")
+    return "\n".join(lines) + "\n"

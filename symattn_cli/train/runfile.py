@@ -91,7 +91,7 @@ class RunFile:
         that a report can name a run's model as the command line did."""
         import datetime
 
-        from symattn_cli import __version__
+        from symattn_cli.version import __version__
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The HDF5 run file: one per run, readable while the run writes it.
 
-Schema (``format = "symattn-run"``, ``format_version = 2``; documented in the README):
+Schema (``format = "symattn-run"``, ``format_version = 2``; documented in docs/runfile.md):
 
     /                        attrs: format, format_version, command, created, symattn_version
     /config                  attrs: yaml (the resolved config), choices (YAML: the option

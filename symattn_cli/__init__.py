@@ -1,15 +1,16 @@
 """symattn: an experiment runner for symmetry-aware attention.
 
-The package is layered one way: ``groups`` (pure maths) -> ``nn`` (layers) -> ``models`` ->
-``data`` / ``train`` / ``verify`` / ``bench`` -> ``commands`` -> ``cli``. Importing the package
-imports nothing heavy; torch is loaded by the functions below when they are first called.
+The package is layered one way (docs/architecture.md): ``groups`` (pure maths) and ``data``
+-> ``nn`` (layers) -> ``train`` -> ``configs`` -> ``models`` -> ``verify`` / ``bench`` /
+``report`` -> ``commands`` -> ``cli``. Importing the package imports nothing heavy; torch is
+loaded by the functions below when they are first called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from symattn_cli.version import __version__
 
 __all__ = ["__version__", "create_model", "get_group", "list_models"]
 

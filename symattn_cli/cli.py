@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if args[0] == "--version":
-        from symattn_cli import __version__
+        from symattn_cli.version import __version__
 
         print(f"symattn {__version__}")
         return 0

@@ -61,7 +61,7 @@ class Case:
     """One thing to measure: a layer (``kind="layer"``) or a registered model (``"model"``).
 
     Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
-    ``query_form`` sum | single, ``patch_size`` P or 0 for global, ``group_index`` the group
+    ``query_form`` sum | single, ``patch_size`` P or None for global, ``group_index`` the group
     term's index; ``attention_backend="dense"`` runs the reference algorithm, which
     materialises the full N^3 P^2 logit tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
@@ -75,7 +75,7 @@ class Case:
     group: str = "z2"
     lifting: bool = False
     query_form: str = "sum"
-    patch_size: int = 5  # 0 = global attention
+    patch_size: int | None = 5  # None: global attention
     image_size: int = 28
     batch: int = 2
     channels: int = 20
@@ -103,7 +103,7 @@ class Case:
     @property
     def label(self) -> str:
         size = f"{self.image_size}px b{self.batch}"
-        patch = "global" if self.patch_size == 0 else f"P{self.patch_size}"
+        patch = "global" if self.patch_size is None else f"P{self.patch_size}"
         backend = f" {self.attention_backend}" if self.attention_backend != "auto" else ""
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
@@ -161,7 +161,7 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
 
         module = GroupSelfAttention(
             group=group, in_channels=c, out_channels=c, heads=case.heads,
-            patch_size=case.patch_size or None, lifting=case.lifting,
+            patch_size=case.patch_size, lifting=case.lifting,
             query_form=case.query_form, attention_dropout=0.0, group_index=case.group_index,
             attention_backend=case.attention_backend,
         )  # fmt: skip

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from symattn_cli.bench.suite import SERIES_KEYS
+from symattn_cli.bench.suite import GLOBAL_P, SERIES_KEYS, shown
 
 AXIS_TITLES = {
     "group_order": ("group order N", "time_memory_vs_group.png"),
@@ -32,9 +32,12 @@ def _series(rows: Sequence[dict[str, Any]], column: str) -> dict[str, list[dict[
         if len({m[column] for m in members}) < 2:
             continue
         first = members[0]
-        fixed = {"group_order": f"N={first['group_order']}", "patch_size":
-                 f"P={first['patch_size'] or 'global'}", "image_size":
-                 f"{first['image_size']}px", "batch": f"b{first['batch']}"}  # fmt: skip
+        fixed = {
+            "group_order": f"N={first['group_order']}",
+            "patch_size": f"P={shown('patch_size', first['patch_size'])}",
+            "image_size": f"{first['image_size']}px",
+            "batch": f"b{first['batch']}",
+        }
         fixed.pop(column)
         label = f"{first['kind']} {first['family']} {first['form']} ({', '.join(fixed.values())})"
         out[label] = members
@@ -43,7 +46,7 @@ def _series(rows: Sequence[dict[str, Any]], column: str) -> dict[str, list[dict[
 
 def _x(row: dict[str, Any], column: str, global_at: float) -> float:
     value = row[column]
-    return global_at if column == "patch_size" and value == 0 else value
+    return global_at if column == "patch_size" and value == GLOBAL_P else value
 
 
 def plot_axis(rows: Sequence[dict[str, Any]], column: str, path: Path) -> Path | None:

@@ -7,7 +7,8 @@ then filter or replace the preset's values in :func:`select_cases`.
 Columns describing a case (one row per case): ``label``, ``kind`` (layer | model), ``name``
 (layer kind gsa | conv | gconv, or model name), ``family`` (gsa | conv | gconv | cnn | gcnn),
 ``group``, ``group_order`` N, ``form`` (lifting | sum | single | group | -), ``patch_size``
-P (attention neighbourhood or kernel side; 0 = global attention), ``image_size``, ``batch``,
+P (attention neighbourhood or kernel side; :data:`GLOBAL_P` = 0 for global attention, as the
+column is numeric), ``image_size``, ``batch``,
 ``channels``, ``heads``, ``attention_backend`` (the one asked for; a measured row holds the one
 that ran: cpp | triton | torch, empty without attention).
 """
@@ -29,6 +30,12 @@ REFERENCE = {"z2": (0.4, 0.16), "z4": (3.4, 0.84), "r8": (14.0, 4.31)}
 TARGET_RATIO = 10.0  # ours must be at least this many times cheaper in time and memory
 
 ROTMNIST_SIDES = (24, 12, 8, 6)  # map sides the rotMNIST GSA-Net's attention layers see
+GLOBAL_P = 0  # the ``patch_size`` column of a global-attention row (cases: patch_size=None)
+
+
+def shown(column: str, value: Any) -> Any:
+    """A column's value as printed: ``global`` for the patch size of global attention."""
+    return "global" if column == "patch_size" and value == GLOBAL_P else value
 
 
 @dataclass
@@ -44,8 +51,9 @@ class Preset:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def gsa_layer(group: str, form: str, patch: int = 5, side: int = 12, batch: int = 2) -> Case:
-    """A 20-channel, 9-head GSA layer (the rotMNIST width); ``form`` lifting | sum | single."""
+def gsa_layer(group: str, form: str, patch: int | None = 5, side: int = 12, batch: int = 2) -> Case:
+    """A 20-channel, 9-head GSA layer (the rotMNIST width); ``form`` lifting | sum | single;
+    ``patch`` None: global attention."""
     lifting = form == "lifting"
     return Case(kind="layer", name="gsa", group=group, lifting=lifting,
                 query_form="sum" if lifting else form, patch_size=patch, image_size=side,
@@ -74,7 +82,7 @@ def quick_cases() -> list[Case]:
         gsa_layer("r4", "sum", patch=5, side=6, batch=1),
         gsa_layer("r4", "sum", patch=3, side=8, batch=1),
         gsa_layer("r4", "lifting", patch=3, side=6, batch=1),
-        gsa_layer("r4", "sum", patch=0, side=4, batch=1),
+        gsa_layer("r4", "sum", patch=None, side=4, batch=1),
         replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), attention_backend="dense"),
         replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="pair"),
         Case(kind="layer", name="conv", patch_size=3, image_size=6, batch=1),
@@ -88,7 +96,7 @@ def default_cases() -> list[Case]:
     for group in ("z2", "r4", "r8", "r12", "r16"):  # time and memory vs group order
         forms = ("lifting", "sum") if group == "z2" else ("lifting", "sum", "single")
         cases += [gsa_layer(group, form) for form in forms]
-    for patch in (3, 7, 9, 0):  # vs neighbourhood (0 = global, on the 12x12 map)
+    for patch in (3, 7, 9, None):  # vs neighbourhood (None = global, on the 12x12 map)
         cases += [gsa_layer("r8", form, patch=patch) for form in ("sum", "single")]
     for side in (6, 8, 24):  # vs image side (the rotMNIST net's maps: 24, 12, 8, 6)
         cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
@@ -113,7 +121,7 @@ def default_cases() -> list[Case]:
 def global_cases() -> list[Case]:
     """Global r8 layers on a whole 28x28 digit, batch 1: every pixel attends to every pixel."""
     return [
-        gsa_layer("r8", form, patch=0, side=28, batch=1) for form in ("lifting", "sum", "single")
+        gsa_layer("r8", form, patch=None, side=28, batch=1) for form in ("lifting", "sum", "single")
     ]
 
 
@@ -174,6 +182,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
 
     label = case.label
     if case.kind == "model":
+        from symattn_cli.models.gsa_net import GLOBAL
         from symattn_cli.models.registry import model_config
 
         try:
@@ -183,8 +192,8 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         family = config["family"]
         overrides = dict(case.overrides)
         if family == "gsa":
-            overrides.update(group=case.group, query_form=case.query_form,
-                             patch_size=case.patch_size or -1,
+            option = GLOBAL if case.patch_size is None else case.patch_size
+            overrides.update(group=case.group, query_form=case.query_form, patch_size=option,
                              group_index=case.group_index)  # fmt: skip
             if case.attention_backend != "auto":
                 overrides.update(attention_backend=case.attention_backend)
@@ -199,6 +208,8 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         heads = case.heads if case.name == "gsa" else 0
         info = dict(family=case.name, form=case.form, patch_size=case.patch_size,
                     channels=case.channels, heads=heads)  # fmt: skip
+    if info["patch_size"] is None:
+        info["patch_size"] = GLOBAL_P
     group = get_group(canonical_group(case.group))
     info = dict(label=label, kind=case.kind, name=case.name, group=group.name,
                 group_order=group.order, image_size=case.image_size, batch=case.batch,
@@ -232,12 +243,13 @@ def select_cases(
     layers: Sequence[str] = (),
     batch_sizes: Sequence[int] = (),
     image_sizes: Sequence[int] = (),
-    patch_sizes: Sequence[int] = (),
+    patch_sizes: Sequence[int | str] = (),
     attention_backends: Sequence[str] = (),
 ) -> list[Case]:
     """Filter by ``groups``/``models``/``layers``; set every case's batch, image and patch
-    sizes, and every attention case's backend, to each value given (a product); drop
-    duplicates, keep the order."""
+    sizes (a side P, or ``global``), and every attention case's backend, to each value given
+    (a product); drop duplicates, keep the order."""
+    from symattn_cli.models.gsa_net import patch_size_option
     from symattn_cli.nn.gsa.core import BACKENDS
 
     check_names(models, layers)
@@ -247,6 +259,7 @@ def select_cases(
             f"attention_backends={list(attention_backends)}: {bad} unknown; use any of "
             f"{list(BACKENDS)}"
         )
+    patches = [patch_size_option(p, "patch_sizes") for p in patch_sizes]
     wanted_groups = {canonical_group(g) for g in groups}
     out: list[Case] = []
     for case in cases:
@@ -261,10 +274,11 @@ def select_cases(
         ):
             continue
         variants = [case]
-        for attr, values in (("batch", batch_sizes), ("image_size", image_sizes),
-                             ("patch_size", patch_sizes)):  # fmt: skip
+        for attr, values in (("batch", [int(x) for x in batch_sizes]),
+                             ("image_size", [int(x) for x in image_sizes]),
+                             ("patch_size", patches)):  # fmt: skip
             if values:
-                variants = [replace(v, **{attr: int(x)}) for v in variants for x in values]
+                variants = [replace(v, **{attr: x}) for v in variants for x in values]
         if attention_backends and case.attends:
             variants = [replace(v, attention_backend=b)
                         for v in variants for b in attention_backends]  # fmt: skip
@@ -379,7 +393,7 @@ def growth_exponents(
         for row in rows:
             if row.get("status") != "ok":
                 continue
-            if axis == "P" and row["patch_size"] == 0:
+            if axis == "P" and row["patch_size"] == GLOBAL_P:
                 continue
             series.setdefault(tuple(row.get(k) for k in keys), []).append(row)
         for members in series.values():
@@ -388,7 +402,7 @@ def growth_exponents(
                 continue
             first = members[0]
             name = f"{first['kind']} {first['family']} {first['form']}"
-            fixed = ", ".join(f"{k}={first[k]}" for k in ("group_order", "patch_size",
+            fixed = ", ".join(f"{k}={shown(k, first[k])}" for k in ("group_order", "patch_size",
                               "image_size", "batch") if k != column)  # fmt: skip
             for quantity in quantities:
                 points = [(m[column], m.get(quantity)) for m in members]

@@ -141,7 +141,7 @@ def report(cfg: Any) -> Report:
     from rich.console import Console
 
     from symattn_cli.report import plots, tables
-    from symattn_cli.report.groups import Group
+    from symattn_cli.report.groups import RunGroup
     from symattn_cli.train.runfile import write_results_file
 
     found = collect(cfg)
@@ -160,7 +160,7 @@ def report(cfg: Any) -> Report:
     group_table = tables.groups_table(groups, columns, metrics)
     dropped = tables.excluded_table(found.left_out, columns, found.score)
     records = [group.record(metrics) for group in groups]
-    fields = list(Group(label=dict.fromkeys(columns, ""), runs=[]).record(metrics))
+    fields = list(RunGroup(label=dict.fromkeys(columns, ""), runs=[]).record(metrics))
     tables.write_csv(directory / CSV_FILE, records, fields=fields)
     markdown = [f"**{found.title}**", "", tables.markdown(group_table)]
     if found.left_out:

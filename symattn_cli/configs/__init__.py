@@ -1,5 +1,8 @@
 """The config boundary: structured schemas registered with Hydra, and name registries.
 
+This package holds the types (one dataclass per config node); the YAML values that extend
+them live in ``conf/`` (the package ``symattn_cli.conf``).
+
 Each module here lists ``SCHEMAS`` as ``(group, name, dataclass)``; a YAML file in ``conf/``
 extends a schema through its defaults list, so Hydra type-checks every override. Schemas are
 stored at the root (group ``None``), outside the selectable groups, and a group's YAML pulls

@@ -64,9 +64,9 @@ class BenchmarkConfig:
 
     Empty lists and ``null`` mean "the preset's". ``groups``/``models``/``layers`` filter the
     preset's cases; ``batch_sizes``/``image_sizes``/``patch_sizes`` set every case to each
-    value given (``patch_sizes`` 0 = global attention), and ``attention_backends`` measures
-    every case with attention once per backend named (``[triton,torch]``: the Triton kernel
-    against the plain PyTorch core on the same GPU).
+    value given (``patch_sizes``: odd sides P, or ``global`` for global attention), and
+    ``attention_backends`` measures every case with attention once per backend named
+    (``[triton,torch]``: the Triton kernel against the plain PyTorch core on the same GPU).
     """
 
     preset: str = "default"  # reference | default | gpu | quick
@@ -81,7 +81,7 @@ class BenchmarkConfig:
     layers: list[str] = field(default_factory=list)  # gsa | conv | gconv
     batch_sizes: list[int] = field(default_factory=list)
     image_sizes: list[int] = field(default_factory=list)
-    patch_sizes: list[int] = field(default_factory=list)
+    patch_sizes: list[Any] = field(default_factory=list)  # odd sides P, or global
     # GSA layers and nets once per attention backend: auto | cpp | triton | torch
     attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True

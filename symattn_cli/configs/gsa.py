@@ -24,7 +24,9 @@ class GSANetConfig:
     block_sizes: list[int] = field(default_factory=list)
     expansion: list[int] = field(default_factory=list)
     crops: list[int] = field(default_factory=list)
-    patch_size: int | None = 0  # odd P: P x P local; 0: the preset's; null or -1: global
+    # odd P: P x P local attention; global: every pixel attends to every pixel; 0: the
+    # preset's (typed Any so that one option holds a number or the word global)
+    patch_size: Any = 0
     attention_dropout: float = 0.1
     value_dropout: float = 0.1
     input_dropout: float = 0.0

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from symattn_cli.data.base import DataSpec
+from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
 from symattn_cli.nn.gsa import GroupSelfAttention
 from symattn_cli.nn.positional import Swish
@@ -228,14 +229,30 @@ def resolve_arch(options: dict[str, Any], spec: DataSpec) -> str:
 
 
 _EMPTY = (None, 0, [], ())
-_PRESET_KEYS = tuple(ARCHITECTURES["rotmnist"])
+_PRESET_KEYS = tuple(k for k in ARCHITECTURES["rotmnist"] if k != "patch_size")
+
+GLOBAL = "global"  # the one spelling of global attention in configs and on the command line
+
+
+def patch_size_option(value: Any, option: str, also: str = "") -> int | None:
+    """A patch size as users write it -> the layer's ``patch_size``: a side P (P x P local
+    attention) stays P, ``global`` (every pixel attends to every pixel) becomes ``None``."""
+    if value == GLOBAL:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ConfigError(
+        f"{option}: {value!r} is not a patch size; write an odd side P (3, 5, ...) for P x P "
+        f"local attention or {GLOBAL} for global attention{also}"
+    )
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
     """Model options -> :class:`GSANet` keyword arguments (the config boundary).
 
     Architecture values come from the preset of ``arch`` (auto: the data's), and a model
-    option replaces a preset value unless it is empty (0, null or []).
+    option replaces a preset value unless it is empty (0, null or []); ``patch_size`` is an
+    odd side P, ``global``, or 0 for the preset's (:func:`patch_size_option`).
     """
     arch = resolve_arch(options, spec)
     kwargs = dict(ARCHITECTURES[arch])
@@ -243,8 +260,11 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         value = options.get(key)
         if value not in _EMPTY or (isinstance(value, bool) and key in options):
             kwargs[key] = value
-    if "patch_size" in options and options["patch_size"] in (None, -1):
-        kwargs["patch_size"] = None  # global attention
+    patch = options.get("patch_size", 0)
+    if patch != 0 or isinstance(patch, bool):  # 0: the preset's
+        kwargs["patch_size"] = patch_size_option(
+            patch, "model.patch_size", also=", or 0 for the preset's"
+        )
     return GSANet(
         group=get_group(options.get("group", "z2")),
         in_channels=options.get("in_channels") or spec.in_channels,

@@ -1,4 +1,5 @@
-"""Group runs by the config values that differ between them, and aggregate each group.
+"""Bucket runs by the config values that differ between them (a :class:`RunGroup` each), and
+aggregate each bucket.
 
 A column is a config group (``model``: its option, ``r4_mini``) or a dotted config key
 (``data.variant``). By default the columns are what differs between the runs: a config group
@@ -25,8 +26,9 @@ SCORES = ("acc", "exact")
 
 
 @dataclasses.dataclass
-class Group:
-    """The runs that share one label (a value per column); ``runs`` are the finished ones."""
+class RunGroup:
+    """The runs that share one label (a value per column); ``runs`` are the finished ones.
+    (A bucket of runs; a symmetry group is :class:`symattn_cli.groups.Group`.)"""
 
     label: dict[str, str]
     runs: list[Run]
@@ -139,24 +141,24 @@ def check_metrics(runs: Sequence[Run], metrics: Sequence[str], option: str = "me
             )
 
 
-def group_runs(runs: Sequence[Run], columns: Sequence[str]) -> list[Group]:
+def group_runs(runs: Sequence[Run], columns: Sequence[str]) -> list[RunGroup]:
     """The finished runs grouped by their label, groups in order of first appearance."""
-    groups: dict[tuple[str, ...], Group] = {}
+    groups: dict[tuple[str, ...], RunGroup] = {}
     for run in runs:
         if not run.finished:
             continue
         key = tuple(value(run, c) for c in columns)
         if key not in groups:
-            groups[key] = Group(label=dict(zip(columns, key, strict=True)), runs=[])
+            groups[key] = RunGroup(label=dict(zip(columns, key, strict=True)), runs=[])
         groups[key].runs.append(run)
     return list(groups.values())
 
 
-def sort_groups(groups: list[Group], metric: str) -> list[Group]:
+def sort_groups(groups: list[RunGroup], metric: str) -> list[RunGroup]:
     """Best first by the mean of ``metric`` (lowest first for a loss); NaN last."""
     sign = 1.0 if "loss" in metric else -1.0
 
-    def key(group: Group) -> float:
+    def key(group: RunGroup) -> float:
         values = group.values(metric)
         return sign * float(values.mean()) if len(values) else math.inf
 

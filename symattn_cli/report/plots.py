@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from symattn_cli.report.groups import Group
+from symattn_cli.report.groups import RunGroup
 from symattn_cli.report.tables import header, is_score
 
 METRICS_FILE = "metrics.png"
 CURVES_FILE = "curves.png"
 
 
-def group_name(group: Group) -> str:
+def group_name(group: RunGroup) -> str:
     return ", ".join(group.label.values()) or "all runs"
 
 
@@ -32,7 +32,7 @@ def _colours(count: int) -> list:
     return [cmap(i % cmap.N) for i in range(count)]
 
 
-def plot_metrics(groups: Sequence[Group], metrics: Sequence[str], path: Path,
+def plot_metrics(groups: Sequence[RunGroup], metrics: Sequence[str], path: Path,
                  title: str = "") -> Path | None:  # fmt: skip
     """``path`` with one panel per metric; ``None`` when there is nothing to draw."""
     if not groups or not metrics:
@@ -67,7 +67,7 @@ def plot_metrics(groups: Sequence[Group], metrics: Sequence[str], path: Path,
     return Path(path)
 
 
-def plot_curves(groups: Sequence[Group], metrics: Sequence[str], path: Path,
+def plot_curves(groups: Sequence[RunGroup], metrics: Sequence[str], path: Path,
                 title: str = "") -> Path | None:  # fmt: skip
     """``path`` with one panel per epoch metric; ``None`` when no run has an epoch of any."""
     drawn = [m for m in metrics if any(len(r.epochs.get(m, ())) for g in groups for r in g.runs)]

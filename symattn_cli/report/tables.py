@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from symattn_cli.bench.report import number
-from symattn_cli.report.groups import SCORES, Group, value
+from symattn_cli.report.groups import SCORES, RunGroup, value
 from symattn_cli.report.runs import Run
 
 
@@ -37,13 +37,13 @@ def mean_std(values: np.ndarray, spec: str) -> str:
     return f"{number(float(values.mean()), spec)} ± {number(float(values.std(ddof=1)), spec)}"
 
 
-def metric_cell(group: Group, metric: str) -> str:
+def metric_cell(group: RunGroup, metric: str) -> str:
     values = group.values(metric)
     return mean_std(100 * values if is_score(metric) else values, ".2f" if is_score(metric)
                     else ".4g")  # fmt: skip
 
 
-def epoch_cell(group: Group) -> str:
+def epoch_cell(group: RunGroup) -> str:
     epochs = group.values("best_epoch")
     if len(epochs) == 0:
         return "-"
@@ -51,7 +51,7 @@ def epoch_cell(group: Group) -> str:
     return f"{low}" if low == high else f"{low}–{high}"
 
 
-def groups_table(groups: Sequence[Group], columns: Sequence[str], metrics: Sequence[str],
+def groups_table(groups: Sequence[RunGroup], columns: Sequence[str], metrics: Sequence[str],
                  title: str = ""):  # fmt: skip
     """One row per group: its label, n, every metric as mean ± std, the best-on-validation
     epoch (range over the runs), training time and parameters."""

@@ -1,6 +1,6 @@
 """The HDF5 run file: one per run, readable while the run writes it.
 
-Schema (``format = "symattn-run"``, ``format_version = 2``; documented in the README):
+Schema (``format = "symattn-run"``, ``format_version = 2``; documented in docs/runfile.md):
 
     /                        attrs: format, format_version, command, created, symattn_version
     /config                  attrs: yaml (the resolved config), choices (YAML: the option
@@ -91,7 +91,7 @@ class RunFile:
         that a report can name a run's model as the command line did."""
         import datetime
 
-        from symattn_cli import __version__
+        from symattn_cli.version import __version__
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,21 @@ def test_select_cases_filters_and_sets_axes():
         select_cases(cases, layers=["attention"])
 
 
+def test_global_attention_is_spelled_global_in_patch_sizes():
+    """``patch_sizes=[3,global]``: global cases hold ``patch_size=None`` (as the layer does),
+    their model override and label say global, their table row holds P = 0."""
+    cases = PRESETS["default"].cases()
+    chosen = select_cases(cases, groups=["r8"], models=["r8_sa"], patch_sizes=[3, "global"])
+    assert {c.patch_size for c in chosen} == {3, None}
+    wide = next(c for c in chosen if c.patch_size is None)
+    resolved, info = resolve(wide)
+    assert resolved.overrides["patch_size"] == "global" and "global" in info["label"]
+    assert info["patch_size"] == 0
+    for bad in (0, -1, "glob"):
+        with pytest.raises(ConfigError, match=rf"patch_sizes: {bad!r} .* or global for global"):
+            select_cases(cases, patch_sizes=[bad])
+
+
 def test_attention_backends_measure_each_attention_case_once_per_backend():
     """``attention_backends=[triton,torch]``: the GPU preset's GSA nets with the Triton kernel
     and with the plain PyTorch core; the CNN once."""

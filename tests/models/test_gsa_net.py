@@ -7,6 +7,7 @@ import torch
 
 import symattn_cli
 from symattn_cli.data.base import DataSpec
+from symattn_cli.errors import ConfigError
 from symattn_cli.models.gsa_net import GSANet, build
 from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
 
@@ -119,13 +120,18 @@ def test_batch_norm_network_is_invariant_in_training_and_evaluation(group):
         GSANet(group=g, in_channels=1, num_classes=3, norm="instance")
 
 
-@pytest.mark.parametrize("value", [None, -1])
-def test_global_attention_from_config(value):
-    """``model.patch_size=null`` (or -1) makes every layer global; 0 keeps the preset's."""
-    model = symattn_cli.create_model("r4_sa", patch_size=value)
+def test_global_attention_from_config():
+    """``model.patch_size=global`` makes every layer global; 0 keeps the preset's."""
+    model = symattn_cli.create_model("r4_sa", patch_size="global")
     layers = [m for m in model.modules() if hasattr(m, "patch_size")]
     assert len(layers) == 6 and all(m.patch_size is None for m in layers)
     assert symattn_cli.create_model("r4_sa", patch_size=0).lifting.patch_size == 5
+
+
+@pytest.mark.parametrize("value", [None, -1, "glob"])
+def test_other_patch_sizes_name_the_value_and_the_spelling(value):
+    with pytest.raises(ConfigError, match=rf"model.patch_size: {value!r} .* or global for global"):
+        symattn_cli.create_model("r4_sa", patch_size=value)
 
 
 def test_create_model_and_presets():

@@ -59,7 +59,9 @@ def test_maps_of_the_turned_image_are_the_turned_maps(tmp_path, group):
 
 def test_global_attention_maps_cover_the_image_and_turn(tmp_path):
     torch.manual_seed(0)
-    model = symattn_cli.create_model("gsa_mini", group="z4", channels=8, heads=2, patch_size=None)
+    model = symattn_cli.create_model(
+        "gsa_mini", group="z4", channels=8, heads=2, patch_size="global"
+    )
     model = randomize_encodings(model).double().eval()
     image = torch.zeros(1, 1, 12, 12, dtype=torch.float64)  # pooled to 6 x 6
     image[..., 2:9, 3:6] = torch.rand(7, 3, dtype=torch.float64)

@@ -106,7 +106,7 @@ class GroupSelfAttention(nn.Module):
         if patch_size is not None and (patch_size < 1 or patch_size % 2 == 0):
             raise ValueError(
                 f"patch_size={patch_size} must be odd, or None for global attention "
-                "(model.patch_size=null in a config)"
+                "(model.patch_size=global in a config)"
             )
         if query_form not in QUERY_FORMS:
             raise ValueError(f"query_form={query_form!r}; choose one of {QUERY_FORMS}")

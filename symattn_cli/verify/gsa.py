@@ -263,13 +263,16 @@ def axis_response(
     return records
 
 
-def model_axis_response(model: nn.Module, x: torch.Tensor) -> list[dict]:
+def model_axis_response(
+    model: nn.Module, x: torch.Tensor, elements: Sequence[int] | None = None
+) -> list[dict]:
     """Non-degeneracy of every group layer of a GSA-Net, seen at the model's output: for each
     group self-attention layer and each u other than the identity, move that layer's input
     along its group axis alone and measure the change of ``model(x)`` relative to its size
     (the logits are invariant, so no permutation can explain a change). ``layer`` is the
     layer's module name; ``expected`` is ``"blind"`` for a sum-form layer with an index of
-    :data:`BLIND_IN_SUM`, else ``"responds"``."""
+    :data:`BLIND_IN_SUM`, else ``"responds"``. ``elements``: the u to try (default: every
+    one but the identity)."""
     group = model.group
     layers = [
         (name, m) for name, m in model.named_modules()
@@ -280,9 +283,7 @@ def model_axis_response(model: nn.Module, x: torch.Tensor) -> list[dict]:
         y = model(x)
         for name, layer in layers:
             blind = layer.group_index in BLIND_IN_SUM and layer.query_form == "sum"
-            for e in group.elements:
-                if e == group.identity:
-                    continue
+            for e in elements or [e for e in group.elements if e != group.identity]:
                 perm = group.regular_permutation(e, device=x.device)
                 hook = layer.register_forward_pre_hook(
                     lambda _, args, perm=perm: (args[0][:, :, perm], *args[1:])

@@ -229,3 +229,31 @@ def test_torchrun_data_parallel_on_cpu(workdir):
     metrics = read_metrics(run_dir / "run.h5")
     assert metrics["step"].tolist() == [10.0, 20.0]  # 320 / 2 processes / batch 16
     assert read_status(run_dir / "run.h5") == "finished"
+
+
+def test_profile_names_where_the_run_spends_its_time(workdir):
+    """``trainer.profile=true``: profile.md holds every part of the step with its seconds and
+    share of the wall time, the parts add up to the wall time, and the GSA-Net's attention
+    kernel (or, without the C++ kernel, its PyTorch operators) takes a share of the step."""
+    out = workdir / "profiled"
+    args = [a for a in TINY_TRAIN if not a.startswith("model")]
+    result = run_symattn(
+        "train", *args, "model=gsa_mini", "trainer.epochs=1", "trainer.max_steps_per_epoch=3",
+        "trainer.profile=true", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = (out / "profile.md").read_text()
+    assert "CPU s per wall s" in text and text in result.stdout
+    from symattn_cli.train.profile import PARTS
+
+    rows = {
+        line.split("|")[1].strip(): float(line.split("|")[2])
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| part")
+    }
+    assert set(rows) == set(PARTS)
+    wall = float(text.split("wall ")[1].split(" s")[0])
+    assert sum(rows.values()) == pytest.approx(wall, rel=0.05)
+    kernel = rows["attention kernel forward"] + rows["attention kernel backward"]
+    assert kernel > 0 or not gsa_cpp.enabled()
+    assert rows["1x1 projections (convolutions)"] > 0 and rows["optimizer"] > 0

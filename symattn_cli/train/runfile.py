@@ -93,7 +93,11 @@ class DamagedRunFileError(RunFileError):
 
 
 class DiskFullError(UserError):
-    """A write to the run file found no space; the file keeps ``safe_epoch`` and its state."""
+    """A write to the run file found no space; the file keeps ``safe_epoch`` and its state.
+
+    ``end_process``: the process should end without closing the file through HDF5."""
+
+    end_process = True
 
     def __init__(self, message: str, *, path: Path, safe_epoch: int) -> None:
         super().__init__(message)
@@ -584,16 +588,18 @@ def _cut_short(path: Path) -> str:
 
 @contextlib.contextmanager
 def _open(path: Path) -> Iterator[h5py.File]:
-    """Open a run file for reading, checked as a whole unless its writer is alive.
+    """Open a run file for reading; unless its writer is alive, check it whole first.
 
     A plain open makes HDF5 compare the file's length with the end it recorded; a file whose
     writer still holds it (or died holding it) must be opened through SWMR, which skips that
-    comparison, so it is made here unless the writer runs on this host. Raises
-    :class:`DamagedRunFileError` for a file cut short, :class:`RunFileError` for one that is
-    not HDF5 or not there."""
+    comparison, so it is made here unless the writer runs on this host. A file not being
+    written is then read in full once (:func:`_check_whole`). Raises
+    :class:`DamagedRunFileError` for a file cut short or failing a checksum,
+    :class:`RunFileError` for one that is not a run file or not there."""
     path = Path(path)
     if not path.is_file():
         raise RunFileError(f"run file {path} does not exist; pass a run directory or its run.h5")
+    live = False
     try:
         h5 = h5py.File(path, "r", libver="latest")
     except OSError as err:
@@ -609,29 +615,31 @@ def _open(path: Path) -> Iterator[h5py.File]:
                 "run file. Pass the run.h5 written by `symattn train`, or start a new run "
                 "without resume="
             ) from None
-        h5 = _open_swmr(path)
+        h5, live = _open_swmr(path)
     try:
+        if not live:
+            _check_whole(h5, path)
         yield h5
     finally:
         h5.close()
 
 
-def _open_swmr(path: Path) -> h5py.File:
+def _open_swmr(path: Path) -> tuple[h5py.File, bool]:
+    """The file opened through SWMR, and whether its writer is alive on this host."""
     try:
         h5 = h5py.File(path, "r", libver="latest", swmr=True)
     except OSError as err:
         raise _damaged(path, f"HDF5 cannot open it ({_first_line(err)})") from None
     try:
         writer = _string(_read(_item(h5, path, "writer"), path))
-        host = writer.rpartition(":")[0]
-        if not (host == socket.gethostname() and _writer_alive(writer)):
-            cut = _cut_short(path)
-            if cut:
-                raise _damaged(path, cut)
+        live = writer.rpartition(":")[0] == socket.gethostname() and _writer_alive(writer)
+        cut = "" if live else _cut_short(path)
+        if cut:
+            raise _damaged(path, cut)
     except BaseException:
         h5.close()
         raise
-    return h5
+    return h5, live
 
 
 def _damaged(path: Path, what: str) -> DamagedRunFileError:
@@ -678,36 +686,59 @@ def _read(dataset: h5py.Dataset, path: Path, rows: slice | None = None) -> Any:
         raise _damaged(path, what) from None
 
 
-def check_run_file(path: Path) -> str:
-    """Check that ``path`` is a whole, undamaged symattn run file; return a note for files
-    of a format without checksums (``""`` otherwise).
+# Files already checked whole, by (path, inode, size, modification time): a report reads
+# each file several times.
+_CHECKED: dict[tuple[str, int, int, int], str] = {}
 
-    Reads every dataset, so every checksum is verified (of the state, the current slot's
-    bytes and digest; the other slot is scratch space). Raises :class:`DamagedRunFileError`
-    naming the file and what is wrong, or :class:`RunFileError` for a file that is missing
-    or not a run file."""
-    path = Path(path)
+
+def _check_whole(h5: h5py.File, path: Path) -> None:
+    """Read every dataset of a file no one is writing, so that HDF5 verifies every checksum
+    (of the state: the current slot's bytes and digest; the other slot is scratch space that
+    the next state overwrites). A foreign file raises :class:`RunFileError`."""
+    stat = os.stat(path)
+    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key in _CHECKED:
+        return
+    fmt = h5.attrs.get("format")
+    if fmt != FORMAT:
+        raise RunFileError(
+            f"{path} is an HDF5 file but not a symattn run file (format={fmt!r}); "
+            "pass the run.h5 written by `symattn train`"
+        )
+    names: list[str] = []
     try:
-        with _open(path) as h5:
-            fmt = h5.attrs.get("format")
-            if fmt != FORMAT:
-                raise RunFileError(
-                    f"{path} is an HDF5 file but not a symattn run file (format={fmt!r}); "
-                    "pass the run.h5 written by `symattn train`"
-                )
-            version = int(h5.attrs.get("format_version", 1))
-            names: list[str] = []
-            try:
-                h5.visititems(lambda name, obj: names.append(name)
-                              if isinstance(obj, h5py.Dataset) else None)  # fmt: skip
-            except (KeyError, OSError, RuntimeError) as err:
-                raise _damaged(path, f"its layout cannot be read ({_first_line(err)})") from None
-            for name in names:
-                if not re.fullmatch(r"state/blob\d", name):
-                    _read(_item(h5, path, name), path)
+        h5.visititems(lambda name, obj: names.append(name)
+                      if isinstance(obj, h5py.Dataset) else None)  # fmt: skip
+        for name in names:
+            if not re.fullmatch(r"state/blob\d", name):
+                _read(_item(h5, path, name), path)
+        if "state" in h5:
             _current_state_bytes(h5, path)
-    except (OSError, RuntimeError, KeyError) as err:  # what h5py raises for damaged files
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
         raise _damaged(path, f"HDF5 cannot read it ({_first_line(err)})") from None
+    version = int(h5.attrs.get("format_version", 1))
+    note = ""
+    if version < CHECKSUM_VERSION:
+        note = (f"{path} is a run file of format {version}, written before run files carried "
+                "checksums: damage in it cannot be detected")  # fmt: skip
+    _CHECKED[key] = note
+
+
+def check_run_file(path: Path) -> str:
+    """Check that ``path`` is a whole, undamaged symattn run file (every checksum, unless its
+    writer is still writing it); return a one-line note for a file of a format without
+    checksums, else ``""``.
+
+    Raises :class:`DamagedRunFileError` naming the file and what is wrong, or
+    :class:`RunFileError` for a file that is missing or not a run file."""
+    path = Path(path)
+    with _open(path) as h5:
+        if h5.attrs.get("format") != FORMAT:  # a live file skips the whole check
+            raise RunFileError(
+                f"{path} is an HDF5 file but not a symattn run file "
+                f"(format={h5.attrs.get('format')!r}); pass the run.h5 written by `symattn train`"
+            )
+        version = int(h5.attrs.get("format_version", 1))
     if version < CHECKSUM_VERSION:
         return (f"{path} is a run file of format {version}, written before run files carried "
                 "checksums: damage in it cannot be detected")  # fmt: skip

@@ -58,12 +58,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import math
 import os
 import re
 import socket
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +150,13 @@ class RunFile:
         self.path = path
         self.safe_epoch = safe_epoch
         self._stopped = False
+        # Datasets stay open while the file does: closing one flushes its chunk cache, and
+        # a write failing there (a full disk) could not be caught.
+        self._open: dict[str, h5py.Dataset] = {}
         self._safe_point: tuple[bytes, int] | None = None
         self._keep_safe_point()
+        if not getattr(sys.unraisablehook, "quiet_about_full_disks", False):
+            sys.unraisablehook = _quiet_about_full_disks(sys.unraisablehook)
 
     # -- creation and reopening -------------------------------------------------------------
 
@@ -248,12 +255,21 @@ class RunFile:
         h5.swmr_mode = True
         return cls(h5, Path(path), safe_epoch=safe_epoch)
 
+    def _get(self, name: str) -> h5py.Dataset:
+        if name not in self._open:
+            self._open[name] = self._h5[name]
+        return self._open[name]
+
+    def _group(self, name: str) -> list[h5py.Dataset]:
+        return [self._get(f"{name}/{key}") for key in self._h5[name].keys()]
+
     def close(self) -> None:
         if self._stopped:
             return  # after a full disk HDF5 must not write again, not even on close
         if self._h5.id.valid:
             with self._writing("closing the file"):
                 self._h5.flush()
+                self._open.clear()
                 self._h5.close()
 
     def __enter__(self) -> RunFile:
@@ -267,31 +283,29 @@ class RunFile:
     def append(self, kind: str, row: Mapping[str, float]) -> None:
         """Append one row to ``/metrics/<kind>``; names the file does not know are ignored."""
         with self._writing(f"a row of /metrics/{kind}"):
-            group = self._h5[f"metrics/{kind}"]
             length = self.num_rows(kind)
-            for name, dataset in group.items():
+            for dataset in self._group(f"metrics/{kind}"):
                 dataset.resize((length + 1,))
-                value = row.get(name, math.nan)
+                value = row.get(dataset.name.rpartition("/")[2], math.nan)
                 dataset[length] = float(value)
 
     def metrics(self, kind: str) -> dict[str, np.ndarray]:
         """The rows of ``/metrics/<kind>`` written so far (read through the writer's handle)."""
         rows = self.num_rows(kind)
-        return {name: d[:rows] for name, d in self._h5[f"metrics/{kind}"].items()}
+        return {d.name.rpartition("/")[2]: d[:rows] for d in self._group(f"metrics/{kind}")}
 
     def num_rows(self, kind: str) -> int:
-        group = self._h5[f"metrics/{kind}"]
-        return min((d.shape[0] for d in group.values()), default=0)
+        return min((d.shape[0] for d in self._group(f"metrics/{kind}")), default=0)
 
     def rows_until(self, kind: str, column: str, limit: float) -> int:
         """How many leading rows of ``/metrics/<kind>`` have ``column <= limit``."""
-        values = self._h5[f"metrics/{kind}/{column}"][: self.num_rows(kind)]
+        values = self._get(f"metrics/{kind}/{column}")[: self.num_rows(kind)]
         return int(np.searchsorted(values, limit, side="right"))
 
     def truncate(self, kind: str, rows: int) -> None:
         """Drop rows past ``rows`` (metrics written after the state a resume restarts from)."""
         with self._writing(f"/metrics/{kind}"):
-            for dataset in self._h5[f"metrics/{kind}"].values():
+            for dataset in self._group(f"metrics/{kind}"):
                 if dataset.shape[0] > rows:
                     dataset.resize((rows,))
 
@@ -299,21 +313,20 @@ class RunFile:
         if self._stopped:
             return
         with self._writing("the status"):
-            dataset = self._h5["status"]
+            dataset = self._get("status")
             dataset[()] = status.encode() if _fixed_text(dataset) else status
 
     def set_summary(self, values: Mapping[str, float]) -> None:
         with self._writing("the summary"):
-            summary = self._h5["summary"]
+            names = set(self._h5["summary"].keys())
             for name, value in values.items():
-                if name in summary:
-                    summary[name][()] = float(value)
+                if name in names:
+                    self._get(f"summary/{name}")[()] = float(value)
 
     def write_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         with self._writing("the best weights"):
-            best = self._h5["weights/best"]
             for name, array in weights.items():
-                best[name][...] = array
+                self._get(f"weights/best/{name}")[...] = array
 
     def write_state(self, state: Mapping[str, Any]) -> None:
         """Store the resumable training state (:func:`symattn_cli.train.state_codec.encode`)
@@ -324,17 +337,17 @@ class RunFile:
         data = encode(state)
         payload = np.frombuffer(data, dtype=np.uint8)
         with self._writing(f"the state of epoch {state.get('epoch', '?')}"):
-            slot = 1 - max(0, int(self._h5["state/current"][()]))
-            blob = self._h5[f"state/blob{slot}"]
+            slot = 1 - max(0, int(self._get("state/current")[()]))
+            blob = self._get(f"state/blob{slot}")
             if blob.shape[0] < payload.shape[0]:
                 blob.resize((payload.shape[0],))
             blob[: payload.shape[0]] = payload
-            self._h5[f"state/size{slot}"][()] = payload.shape[0]
+            self._get(f"state/size{slot}")[()] = payload.shape[0]
             if f"state/digest{slot}" in self._h5:
                 digest = np.frombuffer(hashlib.sha256(data).digest(), dtype=np.uint8)
-                self._h5[f"state/digest{slot}"][...] = digest
+                self._get(f"state/digest{slot}")[...] = digest
             self._h5.flush()
-            self._h5["state/current"][()] = slot
+            self._get("state/current")[()] = slot
             self._h5.flush()
         self.safe_epoch = int(state.get("epoch", self.safe_epoch))
         self._keep_safe_point()
@@ -362,7 +375,8 @@ class RunFile:
     def _full_error(self, what: str) -> DiskFullError:
         directory = self.path.parent
         if self.safe_epoch > 0:
-            kept = (f"{self.path} keeps epochs 1-{self.safe_epoch} and the state of epoch "
+            epochs = "epoch 1" if self.safe_epoch == 1 else f"epochs 1-{self.safe_epoch}"
+            kept = (f"{self.path} keeps {epochs} and the state of epoch "
                     f"{self.safe_epoch}; free space, then `symattn train resume={directory}` "
                     f"continues from epoch {self.safe_epoch}")  # fmt: skip
         else:
@@ -414,6 +428,23 @@ class RunFile:
         """Whether a full disk stopped the writing (the process should end without HDF5
         closing the file: :func:`symattn_cli.commands.common.user_errors_exit`)."""
         return self._stopped
+
+
+def _quiet_about_full_disks(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable-exception hook that drops what h5py reports while freeing objects whose
+    writes found no space (or, after :meth:`RunFile._stop_writing`, no writable file): the
+    one-line :class:`DiskFullError` says it instead. Everything else goes to ``hook``."""
+
+    def quiet(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, (RuntimeError, OSError)) and (
+            _out_of_space(error) or f"errno = {errno.EBADF}," in str(error)
+        ):
+            return
+        hook(unraisable)
+
+    quiet.quiet_about_full_disks = True
+    return quiet
 
 
 class NullRunFile:
@@ -493,7 +524,7 @@ def read_table(path: Path, table: str) -> dict[str, np.ndarray]:
 def _rewrite(path: Path) -> None:
     """Copy a run file left open by a dead writer into a clean file at the same path."""
     fresh = path.with_name(path.name + ".rewrite")
-    with h5py.File(path, "r", libver="latest", swmr=True) as old:
+    with _open(path) as old:
         with h5py.File(fresh, "w", libver="latest") as new:
             for key, value in old.attrs.items():
                 new.attrs[key] = value
@@ -583,6 +614,96 @@ def _cut_short(path: Path) -> str:
     return f"it is cut short: {size} of its {stored} bytes are there"
 
 
+def _lookup3(data: bytes, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 ``hashlittle``: the checksum HDF5 puts on its metadata."""
+    mask = 0xFFFFFFFF
+
+    def rot(x: int, k: int) -> int:
+        return ((x << k) | (x >> (32 - k))) & mask
+
+    def word(at: int) -> int:
+        return int.from_bytes(data[at : at + 4], "little")
+
+    a = b = c = (0xDEADBEEF + len(data) + initval) & mask
+    at, left = 0, len(data)
+    while left > 12:
+        a, b, c = (a + word(at)) & mask, (b + word(at + 4)) & mask, (c + word(at + 8)) & mask
+        a = (a - c) & mask ^ rot(c, 4); c = (c + b) & mask  # noqa: E702
+        b = (b - a) & mask ^ rot(a, 6); a = (a + c) & mask  # noqa: E702
+        c = (c - b) & mask ^ rot(b, 8); b = (b + a) & mask  # noqa: E702
+        a = (a - c) & mask ^ rot(c, 16); c = (c + b) & mask  # noqa: E702
+        b = (b - a) & mask ^ rot(a, 19); a = (a + c) & mask  # noqa: E702
+        c = (c - b) & mask ^ rot(b, 4); b = (b + a) & mask  # noqa: E702
+        at, left = at + 12, left - 12
+    if left == 0:
+        return c
+    tail = data[at:] + bytes(12 - left)
+    a = (a + int.from_bytes(tail[0:4], "little")) & mask
+    b = (b + int.from_bytes(tail[4:8], "little")) & mask
+    c = (c + int.from_bytes(tail[8:12], "little")) & mask
+    c = (c ^ b) - rot(b, 14) & mask
+    a = (a ^ c) - rot(c, 11) & mask
+    b = (b ^ a) - rot(a, 25) & mask
+    c = (c ^ b) - rot(b, 16) & mask
+    a = (a ^ c) - rot(c, 4) & mask
+    b = (b ^ a) - rot(a, 14) & mask
+    c = (c ^ b) - rot(b, 24) & mask
+    return c
+
+
+class _WithoutWriterFlags(io.RawIOBase):
+    """A run file, read-only, as if its writer had closed it: the superblock's consistency
+    flags (set by a writer that died) read as cleared, its checksum redone. HDF5 can then
+    open it plainly, with its own end-of-file check and without SWMR's retries, which turn a
+    failed checksum into minutes of waiting. The file itself is not changed."""
+
+    def __init__(self, path: Path, superblock: bytes) -> None:
+        super().__init__()
+        self._file = open(path, "rb")  # noqa: SIM115 - closed with this object
+        self._head = superblock
+        self._position = 0
+
+    @classmethod
+    def of(cls, path: Path) -> _WithoutWriterFlags | None:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+        if len(head) < 12 or head[8] not in (2, 3) or head[9] not in (4, 8):
+            return None
+        size = 12 + 4 * head[9]
+        stored = int.from_bytes(head[size : size + 4], "little")
+        if len(head) < size + 4 or _lookup3(head[:size]) != stored:
+            return None
+        body = head[:11] + b"\x00" + head[12:size]
+        return cls(path, body + _lookup3(body).to_bytes(4, "little"))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._position = self._file.seek(offset, whence)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        self._file.seek(self._position)
+        count = self._file.readinto(buffer)
+        if count and self._position < len(self._head):
+            overlap = min(count, len(self._head) - self._position)
+            view = memoryview(buffer)
+            view[:overlap] = self._head[self._position : self._position + overlap]
+        self._position += count or 0
+        return count or 0
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 # -- reading ----------------------------------------------------------------------------------
 
 
@@ -590,16 +711,17 @@ def _cut_short(path: Path) -> str:
 def _open(path: Path) -> Iterator[h5py.File]:
     """Open a run file for reading; unless its writer is alive, check it whole first.
 
-    A plain open makes HDF5 compare the file's length with the end it recorded; a file whose
-    writer still holds it (or died holding it) must be opened through SWMR, which skips that
-    comparison, so it is made here unless the writer runs on this host. A file not being
-    written is then read in full once (:func:`_check_whole`). Raises
+    A plain open makes HDF5 compare the file's length with the end it recorded. A file whose
+    writer holds it (or died holding it) is refused by a plain open, and SWMR skips that
+    comparison: such a file is opened plainly as if closed (:func:`_open_held`), and through
+    SWMR only while its writer runs on this host. A file not being written is then read in
+    full once (:func:`_check_whole`). Raises
     :class:`DamagedRunFileError` for a file cut short or failing a checksum,
     :class:`RunFileError` for one that is not a run file or not there."""
     path = Path(path)
     if not path.is_file():
         raise RunFileError(f"run file {path} does not exist; pass a run directory or its run.h5")
-    live = False
+    live, source = False, None
     try:
         h5 = h5py.File(path, "r", libver="latest")
     except OSError as err:
@@ -615,13 +737,46 @@ def _open(path: Path) -> Iterator[h5py.File]:
                 "run file. Pass the run.h5 written by `symattn train`, or start a new run "
                 "without resume="
             ) from None
-        h5, live = _open_swmr(path)
+        h5, live, source = _open_held(path)
     try:
         if not live:
             _check_whole(h5, path)
         yield h5
     finally:
         h5.close()
+        if source is not None:
+            source.close()
+
+
+def _open_held(path: Path) -> tuple[h5py.File, bool, io.RawIOBase | None]:
+    """A file whose SWMR-write flag is set: ``(handle, writer alive, source to close)``.
+
+    Opened plainly through :class:`_WithoutWriterFlags` (HDF5 then checks its length and
+    fails fast on a bad checksum); reopened through SWMR only if the writer it names runs on
+    this host."""
+    source = _WithoutWriterFlags.of(path)
+    if source is None:  # a superblock this does not know: SWMR and the length check by hand
+        return (*_open_swmr(path), None)
+    try:
+        h5 = h5py.File(source, "r")
+    except OSError as err:
+        source.close()
+        sizes = re.search(r"eof = (\d+).*stored_eof = (\d+)", str(err))
+        if sizes:
+            raise _damaged(path, f"it is cut short: {sizes[1]} of its {sizes[2]} bytes are "
+                                 "there") from None  # fmt: skip
+        raise _damaged(path, f"HDF5 cannot open it ({_first_line(err)})") from None
+    try:
+        writer = _string(_read(_item(h5, path, "writer"), path))
+    except BaseException:
+        h5.close()
+        source.close()
+        raise
+    if writer.rpartition(":")[0] == socket.gethostname() and _writer_alive(writer):
+        h5.close()
+        source.close()
+        return h5py.File(path, "r", libver="latest", swmr=True), True, None
+    return h5, False, source
 
 
 def _open_swmr(path: Path) -> tuple[h5py.File, bool]:
@@ -653,23 +808,16 @@ def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def _item(h5: h5py.File, path: Path, name: str) -> Any:
-    """``h5[name]``; a failed metadata checksum becomes :class:`DamagedRunFileError`."""
+def _item(group: h5py.Group, path: Path, name: str) -> Any:
+    """``group[name]``; an object HDF5 cannot open (its header fails its checksum) becomes
+    :class:`DamagedRunFileError` naming it."""
     try:
-        return h5[name]
-    except KeyError as err:
-        if "checksum" in str(err) or name in _names(h5):
-            raise _damaged(path, f"{name} cannot be read ({_first_line(err)})") from None
-        raise
-
-
-def _names(h5: h5py.File) -> set[str]:
-    found: set[str] = set()
-    try:
-        h5.visit(found.add)
-    except (KeyError, OSError, RuntimeError):
-        pass
-    return found
+        return group[name]
+    except (KeyError, OSError, RuntimeError) as err:
+        if isinstance(err, KeyError) and "checksum" not in str(err):
+            raise  # not there: a missing name, not damage
+        where = f"{group.name.rstrip('/')}/{name}"
+        raise _damaged(path, f"{where} cannot be read ({_first_line(err)})") from None
 
 
 def _read(dataset: h5py.Dataset, path: Path, rows: slice | None = None) -> Any:
@@ -705,13 +853,10 @@ def _check_whole(h5: h5py.File, path: Path) -> None:
             f"{path} is an HDF5 file but not a symattn run file (format={fmt!r}); "
             "pass the run.h5 written by `symattn train`"
         )
-    names: list[str] = []
     try:
-        h5.visititems(lambda name, obj: names.append(name)
-                      if isinstance(obj, h5py.Dataset) else None)  # fmt: skip
-        for name in names:
-            if not re.fullmatch(r"state/blob\d", name):
-                _read(_item(h5, path, name), path)
+        for dataset in _datasets(h5, path):
+            if not re.fullmatch(r"/state/blob\d", dataset.name):
+                _read(dataset, path)
         if "state" in h5:
             _current_state_bytes(h5, path)
     except (OSError, RuntimeError, KeyError, ValueError) as err:
@@ -722,6 +867,17 @@ def _check_whole(h5: h5py.File, path: Path) -> None:
         note = (f"{path} is a run file of format {version}, written before run files carried "
                 "checksums: damage in it cannot be detected")  # fmt: skip
     _CHECKED[key] = note
+
+
+def _datasets(group: h5py.Group, path: Path) -> Iterator[h5py.Dataset]:
+    """Every dataset below ``group``, opened one by one, so that an object whose header fails
+    its checksum is named."""
+    for key in group.keys():
+        item = _item(group, path, key)
+        if isinstance(item, h5py.Group):
+            yield from _datasets(item, path)
+        elif isinstance(item, h5py.Dataset):
+            yield item
 
 
 def check_run_file(path: Path) -> str:

@@ -3,9 +3,10 @@
 A path is a run directory, a ``run.h5``, a sweep directory (every ``run.h5`` below it), or a
 glob of these. A run still training is read through SWMR, as far as it has got; any other
 file is first checked whole (its length and every checksum), and a damaged one becomes a
-``damaged`` run that is listed, never averaged. A run's config is flattened to dotted keys (``model.group``); the option picked in
-each config group (``model: r4_mini``) comes from the run file or, for files written before
-it stored them, from the Hydra record next to it (``.hydra/hydra.yaml``).
+``damaged`` run that is listed, never averaged. A run's config is flattened to dotted keys
+(``model.group``); the option picked in each config group (``model: r4_mini``) comes from the
+run file or, for files written before it stored them, from the Hydra record next to it
+(``.hydra/hydra.yaml``).
 """
 
 from __future__ import annotations

@@ -628,12 +628,13 @@ def _lookup3(data: bytes, initval: int = 0) -> int:
     at, left = 0, len(data)
     while left > 12:
         a, b, c = (a + word(at)) & mask, (b + word(at + 4)) & mask, (c + word(at + 8)) & mask
-        a = (a - c) & mask ^ rot(c, 4); c = (c + b) & mask  # noqa: E702
-        b = (b - a) & mask ^ rot(a, 6); a = (a + c) & mask  # noqa: E702
-        c = (c - b) & mask ^ rot(b, 8); b = (b + a) & mask  # noqa: E702
-        a = (a - c) & mask ^ rot(c, 16); c = (c + b) & mask  # noqa: E702
-        b = (b - a) & mask ^ rot(a, 19); a = (a + c) & mask  # noqa: E702
-        c = (c - b) & mask ^ rot(b, 4); b = (b + a) & mask  # noqa: E702
+        for shift_a, shift_b, shift_c in ((4, 6, 8), (16, 19, 4)):  # lookup3's mix()
+            a = ((a - c) & mask) ^ rot(c, shift_a)
+            c = (c + b) & mask
+            b = ((b - a) & mask) ^ rot(a, shift_b)
+            a = (a + c) & mask
+            c = ((c - b) & mask) ^ rot(b, shift_c)
+            b = (b + a) & mask
         at, left = at + 12, left - 12
     if left == 0:
         return c
@@ -641,13 +642,14 @@ def _lookup3(data: bytes, initval: int = 0) -> int:
     a = (a + int.from_bytes(tail[0:4], "little")) & mask
     b = (b + int.from_bytes(tail[4:8], "little")) & mask
     c = (c + int.from_bytes(tail[8:12], "little")) & mask
-    c = (c ^ b) - rot(b, 14) & mask
-    a = (a ^ c) - rot(c, 11) & mask
-    b = (b ^ a) - rot(a, 25) & mask
-    c = (c ^ b) - rot(b, 16) & mask
-    a = (a ^ c) - rot(c, 4) & mask
-    b = (b ^ a) - rot(a, 14) & mask
-    c = (c ^ b) - rot(b, 24) & mask
+    final = ((14, "c"), (11, "a"), (25, "b"), (16, "c"), (4, "a"), (14, "b"), (24, "c"))
+    for shift, target in final:  # lookup3's final(): x ^= y; x -= rot(y, k)
+        if target == "c":
+            c = ((c ^ b) - rot(b, shift)) & mask
+        elif target == "a":
+            a = ((a ^ c) - rot(c, shift)) & mask
+        else:
+            b = ((b ^ a) - rot(a, shift)) & mask
     return c
 
 

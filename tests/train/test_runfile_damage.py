@@ -16,6 +16,7 @@ import pytest
 from symattn_cli.train.runfile import (
     DamagedRunFileError,
     RunFile,
+    _WithoutWriterFlags,
     check_run_file,
     read_metrics,
     read_state,
@@ -166,6 +167,9 @@ def test_a_file_cut_during_the_write_of_an_epoch(tmp_path):
                             env=symattn_env(), capture_output=True, text=True)  # fmt: skip
     assert result.returncode == -9, result.stderr
     assert check_run_file(path) == ""
+    source = _WithoutWriterFlags.of(path)  # read plainly, not through SWMR
+    assert source is not None
+    source.close()
     assert read_state(path)["epoch"] == 2  # the state being written is not current
     assert read_metrics(path)["epoch"].tolist() == [1.0, 2.0, 3.0]
     assert read_status(path) == "running"
@@ -255,6 +259,17 @@ def test_a_full_disk_keeps_the_last_complete_state(tmp_path, limit):
 def test_a_disk_full_before_the_first_state_says_so(tmp_path):
     line = fill_disk(tmp_path / "run" / "run.h5", 20_000)
     assert "holds no finished epoch yet; free space and start the run again" in line
+
+
+def test_lookup3_matches_its_reference_values():
+    """The hash that lets a dead writer's file be opened with HDF5's own checks (values from
+    lookup3.c's self-test)."""
+    from symattn_cli.train.runfile import _lookup3
+
+    text = b"Four score and seven years ago"
+    assert _lookup3(text, 0) == 0x17770551
+    assert _lookup3(text, 1) == 0xCD628161
+    assert _lookup3(b"", 0) == 0xDEADBEEF
 
 
 def write_format_2(path: Path) -> Path:

@@ -33,8 +33,9 @@ Reading (:func:`check_run_file`, every ``read_*``): a file whose writer is gone 
 a whole (HDF5's end-of-file check, which SWMR reading skips) before anything in it is
 trusted, and a damaged file raises :class:`DamagedRunFileError` naming what is wrong. Only a
 file whose writer still runs on this host is read through SWMR unchecked. A killed writer
-leaves its SWMR flag set, which makes HDF5 refuse a plain open; such a file is read through
-SWMR after the same end-of-file comparison, made here.
+leaves its SWMR flag set, which makes HDF5 refuse a plain open; such a file is opened plainly
+all the same, through a view of it whose superblock reads as if the writer had closed it
+(:class:`_WithoutWriterFlags`; the file is not changed).
 
 Every dataset is created before SWMR mode is switched on, so a second process can open the
 file with ``h5py.File(path, "r", libver="latest", swmr=True)`` and read live metrics; the
@@ -105,10 +106,6 @@ class DiskFullError(UserError):
         super().__init__(message)
         self.path = path
         self.safe_epoch = safe_epoch
-
-
-def _string_dtype():
-    return h5py.string_dtype("utf-8")
 
 
 def _compact(group: h5py.Group, name: str, value: Any, dtype: Any) -> None:

@@ -730,13 +730,18 @@ def _open(path: Path) -> Iterator[h5py.File]:
             what = (f"it is cut short: {sizes[1]} of its {sizes[2]} bytes are there" if sizes
                     else "it is cut short")  # fmt: skip
             raise _damaged(path, what) from None
-        if "already open for write" not in text:
+        if "unable to lock file, errno = 11" in text:
+            # A process holds the file this moment (locks die with their process): a live
+            # writer, read through SWMR; an OSError here means it is not readable yet.
+            h5, live = h5py.File(path, "r", libver="latest", swmr=True), True
+        elif "already open for write" not in text:
             raise RunFileError(
                 f"{path} cannot be read as HDF5 ({_first_line(err)}); it is corrupt or not a "
                 "run file. Pass the run.h5 written by `symattn train`, or start a new run "
                 "without resume="
             ) from None
-        h5, live, source = _open_held(path)
+        else:
+            h5, live, source = _open_held(path)
     try:
         if not live:
             _check_whole(h5, path)

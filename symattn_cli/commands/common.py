@@ -24,13 +24,21 @@ def fail(message: str) -> None:
 
 
 def user_errors_exit(task: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn :class:`UserError` (and its kin) into one line on stderr and exit status 2."""
+    """Turn :class:`UserError` (and its kin) into one line on stderr and exit status 2.
+
+    An error marked ``end_process`` (a full disk: HDF5 holds a run file it must not write
+    again) ends the process at once, without the interpreter's teardown, in which HDF5 would
+    try to close that file."""
 
     @functools.wraps(task)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return task(*args, **kwargs)
         except UserError as err:
+            if getattr(err, "end_process", False):
+                print(f"symattn: error: {err}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_USER_ERROR)
             fail(str(err))
         except KeyboardInterrupt:
             print("symattn: interrupted; the run file keeps every finished epoch", file=sys.stderr)

@@ -5,7 +5,8 @@ globs; runs still training too, through SWMR), groups the runs by the config val
 differ between them (:mod:`symattn_cli.report.groups`: seeds collapse into one row) and
 prints, per group, every test score as mean ± std with n, the best-on-validation epoch, the
 training time and the parameters. Failed, diverged and unfinished runs are listed, not
-averaged. Writes ``report.csv`` (raw numbers), ``report.md``, ``report.h5`` (tables
+averaged; so are damaged run files (cut short, or failing a checksum), with what is wrong.
+Writes ``report.csv`` (raw numbers), ``report.md``, ``report.h5`` (tables
 ``/results/groups`` and ``/results/runs``), ``metrics.png`` and ``curves.png`` into its run
 directory, and never over an existing file.
 
@@ -196,6 +197,13 @@ def report(cfg: Any) -> Report:
         console.print(f"no finished run yet among the {len(found.runs)} found")
     if found.skipped:
         console.print(f"skipped {len(found.skipped)} run files of other commands (benchmark)")
+    unchecked = [run for run in found.runs if run.note]
+    if unchecked:
+        console.print(
+            f"note: {_count(len(unchecked), 'run file')} ({_names(unchecked)}) written before run "
+            "files carried checksums: damage in them cannot be detected",
+            highlight=False,
+        )
     console.print(f"tables: {path}, {directory / CSV_FILE}, {directory / MARKDOWN_FILE}")
     for figure in figures:
         if figure is not None:
@@ -220,6 +228,13 @@ def _title(finished, groups, runs) -> str:
     if len(runs) > len(finished):
         title += f", {len(runs) - len(finished)} not averaged"
     return title + (f"; commit {shown}" if shown else "")
+
+
+def _names(runs) -> str:
+    from symattn_cli.report.tables import run_name
+
+    names = [run_name(run.path) for run in runs]
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _count(number: int, noun: str) -> str:

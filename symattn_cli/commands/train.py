@@ -26,8 +26,10 @@ from symattn_cli.errors import ConfigError, UserError
 RUN_FILE = "run.h5"
 
 
-def locate_run_file(target: str) -> Path:
-    """The run file behind ``resume=``: a run directory or the ``run.h5`` itself."""
+def locate_run_file(target: str, *, option: str = "resume", note: bool = True) -> Path:
+    """The run file behind ``resume=`` (or ``option=``): a run directory or the ``run.h5``
+    itself, checked whole (:func:`symattn_cli.train.runfile.check_run_file`: a damaged file
+    raises). With ``note``, a file without checksums is named on stderr."""
     from symattn_cli.train.runfile import RunFileError, check_run_file
 
     path = resolve_path(target)
@@ -35,10 +37,12 @@ def locate_run_file(target: str) -> Path:
         path = path / RUN_FILE
     if not path.exists():
         raise RunFileError(
-            f"resume={target!r}: no run file at {path}; pass a run directory made by "
+            f"{option}={target!r}: no run file at {path}; pass a run directory made by "
             "`symattn train` (it holds run.h5) or the run.h5 itself"
         )
-    check_run_file(path)
+    unchecked = check_run_file(path)
+    if unchecked and note:
+        print(f"symattn: note: {unchecked}", file=sys.stderr, flush=True)
     return path
 
 
@@ -104,7 +108,7 @@ def train(cfg: Any) -> dict[str, float]:
     if not world.is_main:
         run_file = NullRunFile()
     elif resume_path is not None:
-        run_file = RunFile.reopen(resume_path)
+        run_file = RunFile.reopen(resume_path, safe_epoch=int(state["epoch"]) if state else 0)
     else:
         run_file = RunFile.create(
             directory / RUN_FILE,
@@ -246,7 +250,7 @@ def _prepare_resume_argv() -> None:
     if not targets or any(a in ("-m", "--multirun") for a in args):
         return
     try:
-        path = locate_run_file(targets[-1])
+        path = locate_run_file(targets[-1], note=False)  # the run itself gives the note
     except UserError as err:  # one line, before Hydra starts
         fail(str(err))
     sys.argv += [f"hydra.run.dir={path.parent}", "hydra.output_subdir=null"]

@@ -45,7 +45,7 @@ def load_checkpoint(cfg: Any) -> Trained:
     from symattn_cli.commands.train import locate_run_file
     from symattn_cli.verify.checkpoint import checkpoint_images, load_trained
 
-    path = locate_run_file(cfg.checkpoint)
+    path = locate_run_file(cfg.checkpoint, option="checkpoint")
     root = resolve_path(cfg.data_root)
     model, data, _ = load_trained(path, root)
     images = None

@@ -1,10 +1,12 @@
 """Find the run files behind the paths a user gives, and read each into a :class:`Run`.
 
 A path is a run directory, a ``run.h5``, a sweep directory (every ``run.h5`` below it), or a
-glob of these. Run files are read through SWMR, so a run still training is read as far as it
-has got. A run's config is flattened to dotted keys (``model.group``); the option picked in
-each config group (``model: r4_mini``) comes from the run file or, for files written before
-it stored them, from the Hydra record next to it (``.hydra/hydra.yaml``).
+glob of these. A run still training is read through SWMR, as far as it has got; any other
+file is first checked whole (its length and every checksum), and a damaged one becomes a
+``damaged`` run that is listed, never averaged. A run's config is flattened to dotted keys
+(``model.group``); the option picked in each config group (``model: r4_mini``) comes from the
+run file or, for files written before it stored them, from the Hydra record next to it
+(``.hydra/hydra.yaml``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ RUN_FILE = "run.h5"
 HYDRA_RECORD = Path(".hydra") / "hydra.yaml"
 FINISHED = "finished"
 # "stopped": the file says running, but the process writing it is gone (killed).
-STATUSES = ("finished", "running", "stopped", "diverged", "failed", "unreadable")
+# "damaged": cut short or failing a checksum (see symattn_cli.train.runfile).
+STATUSES = ("finished", "running", "stopped", "diverged", "failed", "damaged", "unreadable")
 GLOB_CHARS = re.compile(r"[*?\[]")
 PATHS_HINT = (
     "pass run directories, run.h5 files or sweep directories (globs allowed), e.g. "
@@ -37,7 +40,8 @@ PATHS_HINT = (
 class Run:
     """One run file, read. ``config`` is flat (``{"model.group": "z4", ...}``), ``choices``
     maps config groups to options (``{"model": "r4_mini"}``); ``epochs`` holds the per-epoch
-    metrics written so far; ``error`` says why an ``unreadable`` file could not be read."""
+    metrics written so far; ``error`` says why an ``unreadable`` or ``damaged`` file could not
+    be read; ``note`` is set for files of a format without checksums."""
 
     path: Path
     status: str
@@ -48,6 +52,7 @@ class Run:
     commit: str = ""
     dirty: bool = False
     error: str = ""
+    note: str = ""
 
     @property
     def finished(self) -> bool:
@@ -70,7 +75,7 @@ def find_run_files(paths: Sequence[str], cwd: Path) -> tuple[list[Path], list[Pa
 
     Raises :class:`UserError` naming the path when one does not exist, matches nothing, holds
     no run file, or is a file that is not a training run file."""
-    from symattn_cli.train.runfile import check_run_file, read_command
+    from symattn_cli.train.runfile import DamagedRunFileError, check_run_file, read_command
 
     found: list[Path] = []
     skipped: list[Path] = []
@@ -96,7 +101,11 @@ def find_run_files(paths: Sequence[str], cwd: Path) -> tuple[list[Path], list[Pa
                     else:
                         skipped.append(path)
             else:
-                check_run_file(match)  # an explicitly named file must be a run file
+                try:
+                    check_run_file(match)  # an explicitly named file must be a run file
+                except DamagedRunFileError:
+                    files.append(match)  # listed as damaged, like one found in a directory
+                    continue
                 command = read_command(match)
                 if command != "train":
                     raise UserError(
@@ -119,7 +128,7 @@ def _command(path: Path) -> str | None:
 
     try:
         return read_command(path)
-    except (OSError, RuntimeError, KeyError):
+    except (OSError, RuntimeError, KeyError, UserError):  # damaged or not HDF5: listed later
         return None
 
 
@@ -128,7 +137,7 @@ def read_run(path: Path) -> Run:
     from symattn_cli.train import runfile
 
     try:
-        runfile.check_run_file(path)
+        note = runfile.check_run_file(path)
         status = runfile.read_status(path)
         if status == "running" and not runfile.writer_alive(path):
             status = "stopped"
@@ -142,7 +151,10 @@ def read_run(path: Path) -> Run:
             epochs=runfile.read_metrics(path, "epoch"),
             commit=str(env.get("git_commit", "")),
             dirty=bool(env.get("git_dirty", False)),
+            note=note,
         )
+    except runfile.DamagedRunFileError as err:
+        return Run(path=path, status="damaged", error=str(err).splitlines()[0])
     except (OSError, RuntimeError, KeyError, ValueError, UserError) as err:
         return Run(path=path, status="unreadable", error=str(err).splitlines()[0])
 

@@ -92,7 +92,7 @@ def excluded_table(runs: Sequence[Run], columns: Sequence[str], score: str):
     """The runs that are not averaged: status, label, seed, epochs written, last score."""
     from rich.table import Table
 
-    table = Table(title="not averaged (failed, diverged, unfinished or unreadable)")
+    table = Table(title="not averaged (failed, diverged, unfinished, damaged or unreadable)")
     for name in ("run", "status", *columns, "seed", "epochs", f"last {header(score)}", "note"):
         table.add_column(name, justify="right" if name in ("seed", "epochs") or
                          name.startswith("last") else "left")  # fmt: skip
@@ -106,7 +106,7 @@ def excluded_table(runs: Sequence[Run], columns: Sequence[str], score: str):
             run.status,
             *(value(run, c) for c in columns),
             value(run, "seed"),
-            epochs if run.status != "unreadable" else "-",
+            epochs if run.status not in ("unreadable", "damaged") else "-",
             number(shown, ".2f"),
             note(run),
         )
@@ -114,7 +114,7 @@ def excluded_table(runs: Sequence[Run], columns: Sequence[str], score: str):
 
 
 def note(run: Run) -> str:
-    if run.status == "unreadable":
+    if run.status in ("unreadable", "damaged"):
         return run.error
     if run.status == "stopped":
         return (f"its writer is gone; `symattn train resume={run_name(run.path)}` "

@@ -241,9 +241,13 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         np.random.set_state(state["rng_numpy"])
         random.setstate(state["rng_python"])
-        # Rows written after this state (a partly finished epoch) are replayed.
+        # Rows written after this state (a partly finished epoch) are replayed, and the best
+        # weights are those of the state (a later epoch may have written others before it
+        # was stopped).
         self.run_file.truncate("epoch", self.epoch)
         self.run_file.truncate("step", self.run_file.rows_until("step", "step", self.step))
+        if self.best_state is not None:
+            self.run_file.write_weights(_numpy_state(self.best_state))
 
     # -- loop -------------------------------------------------------------------------------------
 

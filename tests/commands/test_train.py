@@ -93,13 +93,15 @@ def test_foreign_resume_file_is_clear(workdir):
 
 
 def _plant_state(path: Path, payload: bytes) -> None:
-    """Put ``payload`` into the run file's state slot 0 and make it current, as someone who
-    edits a shared run file could."""
+    """Put ``payload`` into the run file's state slot 0 with its digest and make it current,
+    as someone who edits a shared run file could (the checksums then hold: the state's
+    decoder is what must refuse it)."""
     with h5py.File(path, "r+", libver="latest") as h5:
         blob = h5["state/blob0"]
         blob.resize((len(payload),))
         blob[:] = list(payload)
         h5["state/size0"][()] = len(payload)
+        h5["state/digest0"][...] = list(hashlib.sha256(payload).digest())
         h5["state/current"][()] = 0
 
 

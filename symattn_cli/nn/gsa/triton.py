@@ -84,8 +84,8 @@ class TritonAttention(torch.autograd.Function):
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
         if out.numel():
-            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
-            program.attention_forward[(z * n_q,)](out, *args, **meta, num_warps=NUM_WARPS)
+            kernel, grid, args, meta = forward_launch(out, q, k, v, gl, rho, *ctx.args)
+            kernel[grid](*args, **meta)
         return out
 
     @staticmethod
@@ -97,15 +97,31 @@ class TritonAttention(torch.autograd.Function):
         drho = None if rho is None else torch.zeros_like(rho)
         z, n_q = q.shape[:2]
         if z * n_q:
-            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
             grads = (dq, dk, dv, q if dgl is None else dgl, q if drho is None else drho)
-            if meta["BO"] == 1:  # every v had the same output row: their gradients add up
-                grad_out = grad_out.sum(dim=2, keepdim=True)
-            grad_out = grad_out.contiguous()
-            program.attention_backward[(z * n_q,)](
-                *grads, grad_out, *args, grad_out.shape[2], **meta, num_warps=NUM_WARPS
-            )
+            kernel, grid, args, meta = backward_launch(grads, grad_out, q, k, v, gl, rho,
+                                                       *ctx.args)  # fmt: skip
+            kernel[grid](*args, **meta)
         return dq, dk, dv, dgl, drho, *(None,) * 7
+
+
+def forward_launch(out, q, k, v, gl, rho, *rest):
+    """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
+    launch options) for ``out`` ``(Z, L, V, d)``; ``rest``: ``offsets, neighbour, valid,
+    single, n, threshold, seed``."""
+    program, args, meta = _program(q, k, v, gl, rho, *rest)
+    return program.attention_forward, (q.shape[0] * q.shape[1],), (out, *args), meta
+
+
+def backward_launch(grads, grad_out, q, k, v, gl, rho, *rest):
+    """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
+    dk, dv, dgl, drho: zeroed; a stand-in for an absent one) from ``grad_out``
+    ``(Z, L, V, d)``."""
+    program, args, meta = _program(q, k, v, gl, rho, *rest)
+    if meta["BO"] == 1:  # every v had the same output row: their gradients add up
+        grad_out = grad_out.sum(dim=2, keepdim=True)
+    grad_out = grad_out.contiguous()
+    args = (*grads, grad_out, *args, grad_out.shape[2])
+    return program.attention_backward, (q.shape[0] * q.shape[1],), args, meta
 
 
 def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
@@ -122,7 +138,7 @@ def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, 
         HAS_GL=gl is not None, GL_V=gl_v, HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None,
         HAS_VALID=valid is not None, SINGLE=single, DROP=threshold > 0,
     )  # fmt: skip
-    return kernels(), args, {**flags, **blocks}
+    return kernels(), args, {**flags, **blocks, "num_warps": NUM_WARPS}
 
 
 def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):

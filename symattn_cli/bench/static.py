@@ -170,10 +170,11 @@ def launches(call: Call) -> list[Launch]:
     shapes = _sizes(q, k, gl, rho, call.neighbour, call.n, single)
     dtype = str(q.dtype).removeprefix("torch.")
     result = []
+    lse = gsa_triton.statistics(q, gl, rho, single, call.n)
     for name, (fn, grid, args, meta) in (
-        ("forward", gsa_triton.forward_launch(out, q, k, v, gl, rho, *rest)),
-        ("backward", gsa_triton.backward_launch(grads, torch.zeros_like(out), q, k, v, gl, rho,
-                                                *rest)),
+        ("forward", gsa_triton.forward_launch(out, lse, q, k, v, gl, rho, *rest)),
+        ("backward", gsa_triton.backward_launch(grads, torch.zeros_like(out), lse, q, k, v, gl,
+                                                rho, *rest)),
     ):  # fmt: skip
         result.append(Launch(call.layer, name, fn, grid, args, meta,
                              useful_flops(shapes, name), dram_bytes(shapes, name, q.element_size()),
@@ -186,6 +187,7 @@ def _sizes(q, k, gl, rho, neighbour, n, single) -> dict[str, Any]:
     return dict(Z=z, L=n_q, Lkv=k.shape[1], G=g, M=k.shape[2], d=d, J=neighbour.shape[1],
                 e=0 if rho is None else rho.shape[2], D=0 if rho is None else rho.shape[1],
                 V=n, gl=0 if gl is None else gl[0, 0].numel(), single=single,
+                rows=n if gl is not None and gl.dim() == 5 or not (single or rho is None) else 1,
                 gl_v=gl is not None and gl.dim() == 5)  # fmt: skip
 
 
@@ -221,7 +223,7 @@ def dram_bytes(s: dict[str, Any], kernel: str, size: int) -> float:
     kv = 2 * Z * Lkv * M * d
     gl = Z * L * s["gl"]
     rho = V * s["D"] * s["e"]
-    out = Z * L * V * d
+    out = Z * L * V * d + Z * L * s["G"] * s["rows"]  # and the outer log-sum-exp
     inputs = (q + kv + gl + rho) * size + L * s["J"] * 9  # neighbour (int64) and valid (int8)
     if kernel == "forward":
         return float(inputs + out * size)

@@ -51,7 +51,7 @@ def test_unrolled_loops_share_the_trip_count(tmp_path: Path):
 
 
 def test_useful_flops_and_bytes_of_a_layer():
-    sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, gl=6, single=False,
+    sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, gl=6, single=False, rows=2,
                  gl_v=False)  # fmt: skip
     # content, W and spatial, out: J M G d twice, K J G e, K J G d
     assert static.useful_flops(sizes, "forward") == 2 * (2 * 120 + 2 * 5 * 2 * 2 + 2 * 5 * 2 * 4)

@@ -54,6 +54,11 @@ def _power2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
+def _rows(single: bool, rho, n: int, gl_v: bool) -> int:
+    """T: the rows of the outer logits."""
+    return n if gl_v or not (single or rho is None) else 1
+
+
 def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: int,
             gl_v: bool = False):  # fmt: skip
     """The kernels' size arguments and block sizes; ``gl_v``: a group term that depends on
@@ -62,7 +67,7 @@ def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: in
     n_kv, m = k.shape[1:3]
     j = neighbour.shape[1]
     e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
-    rows = n if gl_v or not (single or rho is None) else 1  # T: rows of the outer logits
+    rows = _rows(single, rho, n, gl_v)
     bm, bg, bd, bt = _power2(m), _power2(g), _power2(d), _power2(rows)
     # largest per-neighbour block: (BJ, BM, BG), (BT, BJ, BG), and with gl_v (BT, BJ, BM)
     widest = max(bm * bg, bt * bg, bt * bm if gl_v else 0)
@@ -79,48 +84,56 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
-        ctx.save_for_backward(q, k, v, gl, rho)
         ctx.args = (offsets, neighbour, valid, single, n, threshold, seed)
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
+        lse = statistics(q, gl, rho, single, n)
         if out.numel():
-            kernel, grid, args, meta = forward_launch(out, q, k, v, gl, rho, *ctx.args)
+            kernel, grid, args, meta = forward_launch(out, lse, q, k, v, gl, rho, *ctx.args)
             kernel[grid](*args, **meta)
+        ctx.save_for_backward(q, k, v, gl, rho, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, gl, rho = ctx.saved_tensors
+        q, k, v, gl, rho, lse = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dgl = None if gl is None else torch.zeros_like(gl)
         drho = None if rho is None else torch.zeros_like(rho)
         z, n_q = q.shape[:2]
         if z * n_q:
             grads = (dq, dk, dv, q if dgl is None else dgl, q if drho is None else drho)
-            kernel, grid, args, meta = backward_launch(grads, grad_out, q, k, v, gl, rho,
+            kernel, grid, args, meta = backward_launch(grads, grad_out, lse, q, k, v, gl, rho,
                                                        *ctx.args)  # fmt: skip
             kernel[grid](*args, **meta)
         return dq, dk, dv, dgl, drho, *(None,) * 7
 
 
-def forward_launch(out, q, k, v, gl, rho, *rest):
+def statistics(q, gl, rho, single: bool, n: int):
+    """An empty tensor for the outer softmax's log-sum-exp, ``(Z, L, T, G)``, which the
+    forward writes and the backward reads."""
+    z, n_q, g, _ = q.shape
+    return q.new_empty(z, n_q, _rows(single, rho, n, gl is not None and gl.dim() == 5), g)
+
+
+def forward_launch(out, lse, q, k, v, gl, rho, *rest):
     """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
-    launch options) for ``out`` ``(Z, L, V, d)``; ``rest``: ``offsets, neighbour, valid,
-    single, n, threshold, seed``."""
+    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`); ``rest``:
+    ``offsets, neighbour, valid, single, n, threshold, seed``."""
     program, args, meta = _program(q, k, v, gl, rho, *rest)
-    return program.attention_forward, (q.shape[0] * q.shape[1],), (out, *args), meta
+    return program.attention_forward, (q.shape[0] * q.shape[1],), (out, lse, *args), meta
 
 
-def backward_launch(grads, grad_out, q, k, v, gl, rho, *rest):
+def backward_launch(grads, grad_out, lse, q, k, v, gl, rho, *rest):
     """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
     dk, dv, dgl, drho: zeroed; a stand-in for an absent one) from ``grad_out``
-    ``(Z, L, V, d)``."""
+    ``(Z, L, V, d)`` and the forward's ``lse``."""
     program, args, meta = _program(q, k, v, gl, rho, *rest)
     if meta["BO"] == 1:  # every v had the same output row: their gradients add up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
-    args = (*grads, grad_out, *args, grad_out.shape[2])
+    args = (*grads, grad_out, lse, *args, grad_out.shape[2])
     return program.attention_backward, (q.shape[0] * q.shape[1],), args, meta
 
 

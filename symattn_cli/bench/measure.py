@@ -107,8 +107,9 @@ class Case:
         backend = f" {self.attention_backend}" if self.attention_backend != "auto" else ""
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
-            if self.attends:  # GSA-Nets: their form and neighbourhood matter
-                extra = f" {self.query_form} {patch}{extra}"
+            if self.attends:  # GSA-Nets: their form, neighbourhood and group index matter
+                index = "" if self.group_index == "relative" else f" {self.group_index}"
+                extra = f" {self.query_form} {patch}{index}{extra}"
             return f"{self.name}{extra}{backend} {size}"
         index = f" {self.group_index}" if self.name == "gsa" and not self.lifting else ""
         return f"{self.name} {self.group} {self.form}{index} {patch}{backend} {size}"

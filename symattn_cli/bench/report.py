@@ -131,3 +131,29 @@ def ratio_lines(ratios: dict[str, float], name: str, title: str) -> str:
                 )
         lines.append(f"{title}, {group} layer: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def static_table(rows: Sequence[dict[str, Any]], title: str):
+    """The static GPU report: one row per kernel launch, then the totals."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("layer", "kernel", "programs", "regs", "spills", "smem KiB", "occ %",
+                 "waves", "k instr/prog", "atomics/prog", "issue ms", "FLOP ms", "DRAM ms",
+                 "issue/bound"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("layer", "kernel") else "right",
+                         no_wrap=True)  # fmt: skip
+    for row in rows:
+        total = row["layer"] == "total"
+        spills = f"{row['stack_bytes']} B/{row['spill_instructions']}"
+        table.add_row(
+            row["layer"], row["kernel"], number(row["programs"], ",.0f"),
+            number(row["regs"], "d"), spills, number(row["shared_bytes"] / 1024, ".1f"),
+            number(100 * row["occupancy"], ".0f"), "" if total else number(row["waves"], ".1f"),
+            "" if total else number(row["instructions_per_program"] / 1e3, ".1f"),
+            "" if total else number(row["atomics_per_program"], ",.0f"),
+            number(row["issue_ms"], ".3f"), number(row["flop_ms"], ".3f") + f" {row['flop_unit']}",
+            number(row["dram_ms"], ".3f"), number(row["issue_over_bound"], ".1f"),
+            style="bold" if total else None,
+        )  # fmt: skip
+    return table

@@ -138,6 +138,13 @@ def gpu_cases() -> list[Case]:
     return cases
 
 
+def gpu_static_cases() -> list[Case]:
+    """The rotMNIST r8 net at the paper's batch: both forms, and the sum form with a group
+    index that sees v (the kernel's v-dependent group term)."""
+    r8 = gsa_model("r8", batch=8)
+    return [r8, gsa_model("r8", batch=8, form="single"), replace(r8, group_index="pair")]
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -152,6 +159,9 @@ PRESETS: dict[str, Preset] = {
         Preset("gpu", "rotMNIST r8 net (both forms), z2 net and CNN at batches 8, 32, 128: "
                "train-step throughput and memory, for device=cuda", gpu_cases, repeats=10,
                warmup=3),
+        Preset("gpu-static", "the Triton kernels compiled for a GPU (arch=90) at the r8 net's "
+               "sizes, batch 8: registers, occupancy, instructions, bounds; no GPU needed",
+               gpu_static_cases, repeats=1, warmup=0),
         Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
                repeats=3, warmup=1, threads=1, fresh_process=False),
     )

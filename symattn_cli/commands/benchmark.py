@@ -6,7 +6,10 @@ batch 2, fp32, forward + backward) and prints the ratios to the reference implem
 forms and the convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
 training-step throughput (images per second) and memory at batches 8, 32 and 128 beside the
 z2 net and the plain CNN (``attention_backends=[triton,torch]``: each GSA net with the Triton
-kernel and with the plain PyTorch core); ``preset=quick`` takes seconds (tests).
+kernel and with the plain PyTorch core); ``preset=gpu-static`` needs no GPU: it compiles the
+Triton kernels for ``arch`` at the r8 net's sizes and prints per kernel the registers,
+occupancy, weighted instruction counts and three lower bounds on the time
+(:mod:`symattn_cli.bench.static`); ``preset=quick`` takes seconds (tests).
 
 Writes ``<run dir>/run.h5`` with tables ``/results/cases`` (one row per case), ``/results/fits``
 (growth exponents) and ``/results/reference`` (the cases the reference was measured on), PNG
@@ -128,6 +131,8 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     )
 
     preset = get_preset(cfg.preset)  # a wrong name fails before anything heavy loads
+    if preset.name == "gpu-static":
+        return static_report(cfg, preset)
     import torch
     from rich.console import Console
 
@@ -251,6 +256,58 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     console.print(f"finished in {elapsed:.1f} s; run file: {path}")
     for plot in plots:
         console.print(f"plot: {plot}")
+    return summary
+
+
+def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
+    """``preset=gpu-static``: the Triton kernels compiled for ``arch`` at each case's sizes,
+    read back from their machine code (:mod:`symattn_cli.bench.static`); nothing runs."""
+    if "triton" not in sys.modules:  # compiled, not interpreted, whatever the environment says
+        os.environ["TRITON_INTERPRET"] = "0"
+    from rich.console import Console
+
+    from symattn_cli.bench import report, static
+    from symattn_cli.bench.suite import gsa_model, resolve, select_cases
+    from symattn_cli.nn.gsa import triton as gsa_triton
+    from symattn_cli.train.runfile import write_results_file
+
+    if not gsa_triton.available():
+        raise ConfigError("preset=gpu-static compiles the Triton kernels: install triton")
+    if gsa_triton.interpreted():
+        raise ConfigError(f"preset=gpu-static compiles for a GPU: set {gsa_triton.ENV}=0")
+    static.gpu_for(cfg.arch)
+    cases = preset.cases()
+    if cfg.groups:  # the rotMNIST net of each group named, in the sum form
+        cases = [gsa_model(group, batch=cases[0].batch) for group in cfg.groups]
+    cases = select_cases(cases, models=list(cfg.models),
+                         batch_sizes=list(cfg.batch_sizes), image_sizes=list(cfg.image_sizes),
+                         patch_sizes=list(cfg.patch_sizes))  # fmt: skip
+    cases = [resolve(case)[0] for case in cases if case.attends]
+    if not cases:
+        raise ConfigError("preset=gpu-static has no GSA case left after the filters; relax them")
+    directory = run_dir()
+    started = time.perf_counter()
+    console = Console(width=None if sys.stdout.isatty() else 250)
+    print(f"benchmark preset=gpu-static: {len(cases)} cases compiled for sm_{cfg.arch}; "
+          f"estimates, not measurements; {static.assumptions(cfg.arch)}", flush=True)  # fmt: skip
+    rows, summary = [], {}
+    for index, case in enumerate(cases):
+        label = f"{case.name} {case.query_form} {case.group_index} b{case.batch}"
+        case_rows = [{"case": label, **row} for row in static.report(case, cfg.arch)]
+        rows += case_rows
+        console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
+        for row in case_rows:
+            if row["layer"] == "total":
+                key = f"case{index}_{row['kernel'].replace('+', '_')}"
+                for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions"):
+                    summary[f"{key}_{column}"] = row[column]
+                summary[f"{key}_min_occupancy"] = row["occupancy"]
+    summary.update(cases=float(len(cases)), arch=float(cfg.arch),
+                   seconds=time.perf_counter() - started)  # fmt: skip
+    path = write_results_file(directory / RUN_FILE, command="benchmark", config_yaml=to_yaml(cfg),
+                              env=environment("cpu"), tables={"static": rows},
+                              summary=summary)  # fmt: skip
+    console.print(f"finished in {summary['seconds']:.1f} s; run file: {path}")
     return summary
 
 

@@ -69,7 +69,7 @@ class BenchmarkConfig:
     (``[triton,torch]``: the Triton kernel against the plain PyTorch core on the same GPU).
     """
 
-    preset: str = "default"  # reference | default | gpu | quick
+    preset: str = "default"  # reference | default | gpu | gpu-static | global | quick
     device: str = "cpu"  # cpu | cuda | cuda:<index>
     repeats: int | None = None  # timed steps per mode (median and spread over these)
     warmup: int | None = None  # untimed steps first
@@ -85,6 +85,7 @@ class BenchmarkConfig:
     # GSA layers and nets once per attention backend: auto | cpp | triton | torch
     attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True
+    arch: int = 90  # preset=gpu-static: the compute capability compiled for (90: H100, 80: A100)
     omp_wait_policy: str = ""  # OpenMP idle threads: "" (the library's default) | passive | active
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import symattn_cli.nn.gsa.common as common
 import symattn_cli.nn.gsa.core as core
 from symattn_cli.groups import get_group
 from symattn_cli.nn.gsa import GroupSelfAttention
@@ -230,46 +229,18 @@ def compile_for_gpu(arch: int = 90) -> None:
     """Compiles forward and backward of each of :data:`COMPILED` for an NVIDIA GPU of compute
     capability ``arch`` down to machine code; no GPU needed, but Triton must have been
     imported without its interpreter."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
+    from symattn_cli.bench import static
 
-    types = {torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64", torch.int8: "i8"}
-
-    def signature(kernel, args, meta):
-        values = dict(zip(kernel.arg_names, args, strict=False))
-        out = {}
-        for name in kernel.arg_names:
-            if name in meta:
-                out[name] = "constexpr"
-            elif torch.is_tensor(values[name]):
-                out[name] = "*" + types[values[name].dtype]
-            else:
-                out[name] = "i32" if -(2**31) <= values[name] < 2**31 else "i64"
-        return out
-
-    module = gsa_triton.kernels()
     for form, shape, dtype, drop, spatial in COMPILED:
         q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(**shape)
         dtype = getattr(torch, dtype)
         q, k, v, g_rho = (None if t is None else t.to(dtype) for t in (q, k, v, g_rho))
-        rho = rho.to(dtype) if spatial else None
-        gl = core.group_logits(q, g_rho)
-        threshold = round(drop * common.DROP_STEPS)
-        single = form == "single"
-        _, args, meta = gsa_triton._program(q, k, v, gl, rho, offsets, nb, valid, single, n,
-                                            threshold, 0x123456789)  # fmt: skip
-        z, n_q, _, d = q.shape
-        go = q.new_zeros(z, n_q, 1 if meta["BO"] == 1 else n, d)
-        launches = [
-            (module.attention_forward, (q.new_empty(z, n_q, n, d), *args)),
-            (module.attention_backward, (q, k, v, q, q, go, *args, go.shape[2])),
-        ]
-        for kernel, kernel_args in launches:
-            source = ASTSource(kernel, signature(kernel, kernel_args, meta), constexprs=meta)
-            options = {"num_warps": gsa_triton.NUM_WARPS}
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-            assert compiled.asm["cubin"], (form, shape, kernel)
-            print(f"compiled {kernel.__name__} {form} {shape} {dtype} for sm_{arch}", flush=True)
+        call = static.Call("layer", q, k, v, g_rho, rho.to(dtype) if spatial else None, offsets,
+                           nb, valid, form, n, drop)  # fmt: skip
+        for launch in static.launches(call):
+            compiled = static.compile_launch(launch, arch)
+            assert compiled.asm["cubin"], (form, shape, launch.kernel)
+            print(f"compiled {launch.kernel} {form} {shape} {dtype} for sm_{arch}", flush=True)
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ values, and none imports it:
               logits, both softmaxes and the value sums in cache; a hand-written backward that
               recomputes them.
   ``triton``  (:mod:`.triton`, :mod:`.triton_kernel`) the fused GPU kernel: one program per
-              query, the same equations, its backward recomputing them; CUDA tensors (CPU
-              tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+              query, the same equations, its backward recomputing them from the outer
+              softmax's log-sum-exp that the forward keeps; CUDA tensors (CPU tensors only in
+              Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
   ``torch``   (:mod:`.torch`) the same algorithm in plain PyTorch over chunks of queries, each
               recomputed in the backward (activation checkpointing): any device.
 :func:`~symattn_cli.nn.gsa.dense.dense_attention` (:mod:`.dense`) is the reference algorithm

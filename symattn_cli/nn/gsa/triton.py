@@ -54,6 +54,11 @@ def _power2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
+def _rows(single: bool, rho, n: int, gl_v: bool) -> int:
+    """T: the rows of the outer logits."""
+    return n if gl_v or not (single or rho is None) else 1
+
+
 def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: int,
             gl_v: bool = False):  # fmt: skip
     """The kernels' size arguments and block sizes; ``gl_v``: a group term that depends on
@@ -62,7 +67,7 @@ def _launch(q, k, rho, neighbour, single: bool, n: int, threshold: int, seed: in
     n_kv, m = k.shape[1:3]
     j = neighbour.shape[1]
     e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
-    rows = n if gl_v or not (single or rho is None) else 1  # T: rows of the outer logits
+    rows = _rows(single, rho, n, gl_v)
     bm, bg, bd, bt = _power2(m), _power2(g), _power2(d), _power2(rows)
     # largest per-neighbour block: (BJ, BM, BG), (BT, BJ, BG), and with gl_v (BT, BJ, BM)
     widest = max(bm * bg, bt * bg, bt * bm if gl_v else 0)
@@ -79,33 +84,57 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
-        ctx.save_for_backward(q, k, v, gl, rho)
         ctx.args = (offsets, neighbour, valid, single, n, threshold, seed)
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
+        lse = statistics(q, gl, rho, single, n)
         if out.numel():
-            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
-            program.attention_forward[(z * n_q,)](out, *args, **meta, num_warps=NUM_WARPS)
+            kernel, grid, args, meta = forward_launch(out, lse, q, k, v, gl, rho, *ctx.args)
+            kernel[grid](*args, **meta)
+        ctx.save_for_backward(q, k, v, gl, rho, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, gl, rho = ctx.saved_tensors
+        q, k, v, gl, rho, lse = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dgl = None if gl is None else torch.zeros_like(gl)
         drho = None if rho is None else torch.zeros_like(rho)
         z, n_q = q.shape[:2]
         if z * n_q:
-            program, args, meta = _program(q, k, v, gl, rho, *ctx.args)
             grads = (dq, dk, dv, q if dgl is None else dgl, q if drho is None else drho)
-            if meta["BO"] == 1:  # every v had the same output row: their gradients add up
-                grad_out = grad_out.sum(dim=2, keepdim=True)
-            grad_out = grad_out.contiguous()
-            program.attention_backward[(z * n_q,)](
-                *grads, grad_out, *args, grad_out.shape[2], **meta, num_warps=NUM_WARPS
-            )
+            kernel, grid, args, meta = backward_launch(grads, grad_out, lse, q, k, v, gl, rho,
+                                                       *ctx.args)  # fmt: skip
+            kernel[grid](*args, **meta)
         return dq, dk, dv, dgl, drho, *(None,) * 7
+
+
+def statistics(q, gl, rho, single: bool, n: int):
+    """An empty tensor for the outer softmax's log-sum-exp, ``(Z, L, T, G)``, which the
+    forward writes and the backward reads."""
+    z, n_q, g, _ = q.shape
+    return q.new_empty(z, n_q, _rows(single, rho, n, gl is not None and gl.dim() == 5), g)
+
+
+def forward_launch(out, lse, q, k, v, gl, rho, *rest):
+    """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
+    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`); ``rest``:
+    ``offsets, neighbour, valid, single, n, threshold, seed``."""
+    program, args, meta = _program(q, k, v, gl, rho, *rest)
+    return program.attention_forward, (q.shape[0] * q.shape[1],), (out, lse, *args), meta
+
+
+def backward_launch(grads, grad_out, lse, q, k, v, gl, rho, *rest):
+    """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
+    dk, dv, dgl, drho: zeroed; a stand-in for an absent one) from ``grad_out``
+    ``(Z, L, V, d)`` and the forward's ``lse``."""
+    program, args, meta = _program(q, k, v, gl, rho, *rest)
+    if meta["BO"] == 1:  # every v had the same output row: their gradients add up
+        grad_out = grad_out.sum(dim=2, keepdim=True)
+    grad_out = grad_out.contiguous()
+    args = (*grads, grad_out, lse, *args, grad_out.shape[2])
+    return program.attention_backward, (q.shape[0] * q.shape[1],), args, meta
 
 
 def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
@@ -122,7 +151,7 @@ def _program(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, 
         HAS_GL=gl is not None, GL_V=gl_v, HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None,
         HAS_VALID=valid is not None, SINGLE=single, DROP=threshold > 0,
     )  # fmt: skip
-    return kernels(), args, {**flags, **blocks}
+    return kernels(), args, {**flags, **blocks, "num_warps": NUM_WARPS}
 
 
 def triton_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):

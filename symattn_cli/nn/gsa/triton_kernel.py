@@ -10,9 +10,10 @@ in registers, and channels are taken one at a time (loops over d and e): with pi
 W[j, g, c] = sum_m pik v[j, m, c] and out[k, c] = sum_(j, g) beta[k, j, g] W[j, g, c] (single:
 out[g, c] = sum_j beta[0, j, g] W[j, g, c]). Every pass over the blocks recomputes their logits:
 
-  forward   1. outer statistics: max and sum of exp over j of t, per (k, g)
+  forward   1. outer statistics: max and sum of exp over j of t, per (k, g), written out as
+               their log-sum-exp lse_t (Z, L, T, G) for the backward
             2. out, one channel at a time
-  backward  1. the statistics again
+  backward  1. (the statistics: lse_t, read back; beta = exp(t - lse_t))
             2. A[k, g] = sum_j beta dbeta, dbeta[k, j, g] = sum_c go[k, c] W[j, g, c] (single:
                go[g, c]); the outer softmax's backward needs A before any j
             3. dW[j, g, c] = sum_k beta go[k, c]; dv = sum_g pik dW; dpi = keep sum_c v dW;
@@ -190,7 +191,7 @@ def _mixed(qk, gl_row, counts, keep, beta, M, G, T, DROP: tl.constexpr,
 # The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["s0", "s1", "threshold"])
 def attention_forward(
-    out_ptr, q_ptr, k_ptr, v_ptr, gl_ptr, rho_ptr, off_ptr, nb_ptr, valid_ptr,
+    out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, gl_ptr, rho_ptr, off_ptr, nb_ptr, valid_ptr,
     L, Lkv, J, M, G, d, e, D, V, T, s0, s1, threshold,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_VALID: tl.constexpr, SINGLE: tl.constexpr,
@@ -198,8 +199,8 @@ def attention_forward(
     BJ: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     BO: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """out ``(Z, L, V, d)``, one query per program (grid: Z L). BO: output rows, BT (sum
-    form) or BG (single form)."""
+    """out ``(Z, L, V, d)`` and the outer softmax's log-sum-exp ``(Z, L, T, G)``, one query
+    per program (grid: Z L). BO: output rows, BT (sum form) or BG (single form)."""
     pid = tl.program_id(0).to(tl.int64)  # z L + i
     z = pid // L
     i = pid % L
@@ -217,6 +218,10 @@ def attention_forward(
         pid, i, q_row, kz, gl_row, rho_ptr, nb_ptr, off_ptr, valid_ptr, J, M, G, d, e, D, T,
         HAS_GL, GL_V, HAS_RHO, HAS_OFFSETS, HAS_VALID, SINGLE, BJ, BM, BG, BT,
     )  # fmt: skip
+    k = tl.arange(0, BT)
+    g = tl.arange(0, BG)
+    tl.store(lse_ptr + (pid * T + k[:, None]) * G + g[None, :], top + tl.log(total),
+             mask=(k < T)[:, None] & (g < G)[None, :])  # fmt: skip
     acc = tl.full((BO, BD), 0.0, q_row.dtype.element_ty)
     for j0 in range(0, J, BJ):
         j, rows, counts, pi, t, _, _ = _block(
@@ -250,7 +255,7 @@ def attention_forward(
 
 @triton.jit(do_not_specialize=["s0", "s1", "threshold"])
 def attention_backward(
-    dq_ptr, dk_ptr, dv_ptr, dgl_ptr, drho_ptr, go_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dgl_ptr, drho_ptr, go_ptr, lse_ptr,
     q_ptr, k_ptr, v_ptr, gl_ptr, rho_ptr, off_ptr, nb_ptr, valid_ptr,
     L, Lkv, J, M, G, d, e, D, V, T, s0, s1, threshold, GO,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
@@ -261,9 +266,9 @@ def attention_backward(
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and dgl ``(Z, L, M, G)`` written, dk, dv ``(Z, Lkv, M, d)`` and
     drho ``(V, D, e)`` added to (zeroed by the caller), from go = dL/dout ``(Z, L, GO, d)``
-    (GO = 1 where every v has the same output row: their gradients summed); one query per
-    program (grid: Z L). GL_V: dgl ``(Z, L, V, M, G)`` added to (zeroed by the caller), each
-    query's rows by its program only."""
+    (GO = 1 where every v has the same output row: their gradients summed) and the forward's
+    log-sum-exp ``(Z, L, T, G)``; one query per program (grid: Z L). GL_V: dgl ``(Z, L, V,
+    M, G)`` added to (zeroed by the caller), each query's rows by its program only."""
     pid = tl.program_id(0).to(tl.int64)
     z = pid // L
     i = pid % L
@@ -286,10 +291,9 @@ def attention_backward(
     c = tl.arange(0, BD)
     g_ok = g < G
     gl_ok = (m < M)[:, None] & g_ok[None, :]  # (BM, BG)
-    top, total = _statistics(
-        pid, i, q_row, kz, gl_row, rho_ptr, nb_ptr, off_ptr, valid_ptr, J, M, G, d, e, D, T,
-        HAS_GL, GL_V, HAS_RHO, HAS_OFFSETS, HAS_VALID, SINGLE, BJ, BM, BG, BT,
-    )  # fmt: skip
+    # padding rows get +inf: beta = 0 there
+    lse_t = tl.load(lse_ptr + (pid * T + k[:, None]) * G + g[None, :],
+                  mask=(k < T)[:, None] & g_ok[None, :], other=float("inf"))  # fmt: skip
 
     # 2. A = sum_j beta dbeta
     big_a = tl.full((BT, BG), 0.0, dtype)
@@ -298,7 +302,7 @@ def attention_backward(
             pid, i, j0, q_row, kz, gl_row, rho_ptr, nb_ptr, off_ptr, valid_ptr, J, M, G, d, e,
             D, T, HAS_GL, GL_V, HAS_RHO, HAS_OFFSETS, HAS_VALID, SINGLE, BJ, BM, BG, BT,
         )  # fmt: skip
-        beta = tl.exp(t - top[:, None, :]) / total[:, None, :]  # (BT, BJ, BG)
+        beta = tl.exp(t - lse_t[:, None, :])  # (BT, BJ, BG)
         keep = counts[:, :, None]  # a stand-in where nothing is dropped
         if DROP:
             keep = _keep(pid, j, J, M, G, s0, s1, threshold, BM, BG)
@@ -336,7 +340,7 @@ def attention_backward(
             pid, i, j0, q_row, kz, gl_row, rho_ptr, nb_ptr, off_ptr, valid_ptr, J, M, G, d, e,
             D, T, HAS_GL, GL_V, HAS_RHO, HAS_OFFSETS, HAS_VALID, SINGLE, BJ, BM, BG, BT,
         )  # fmt: skip
-        beta = tl.exp(t - top[:, None, :]) / total[:, None, :]  # (BT, BJ, BG)
+        beta = tl.exp(t - lse_t[:, None, :])  # (BT, BJ, BG)
         keep = counts[:, :, None]  # a stand-in where nothing is dropped
         if DROP:
             keep = _keep(pid, j, J, M, G, s0, s1, threshold, BM, BG)

@@ -1,0 +1,518 @@
+"""A static GPU report of the Triton attention kernels: compiled for a named NVIDIA
+architecture on any machine (no GPU needed), at the sizes a model's attention layers run at.
+
+For every attention layer of the model (its calls of the attention core recorded in one
+training-mode forward on the CPU, which the report does not time) the forward and the backward
+kernel are compiled to machine code (SASS), and read back with the CUDA binary tools that ship
+with Triton (``cuobjdump``, ``nvdisasm``):
+
+- **resources**: registers per thread, the stack frame (spilled registers live there) and
+  the spill instructions in the code (``STL``/``LDL``), shared memory per block;
+- **occupancy**: blocks per SM as registers, shared memory, warps and the block limit allow,
+  for the architecture's limits (:data:`GPUS`), as warps resident over the warps an SM can hold;
+- **programs and waves**: the grid, over the SMs times blocks per SM;
+- **instructions**: the SASS counted per warp, each instruction weighted by the trip counts of
+  the loops around it (a loop is a backward branch; its trip count is read from the ``for``
+  statement of the kernel source that the branch's line information names, evaluated at the
+  launch's sizes; a loop the compiler unrolled is split between its unrolled copy and its
+  remainder in proportion to their sizes). Both sides of a branch are counted, so this is an
+  upper estimate of what runs;
+- **three lower bounds on the time**: instruction issue (warp instructions over SMs x warp
+  schedulers x clock, one instruction per scheduler per cycle), arithmetic (the useful
+  floating-point operations of the algorithm, :func:`useful_flops`, over the peak of the
+  units that run them: FP32 or FP64 FMA pipes, or tensor cores where the code has MMA
+  instructions) and memory (the bytes each kernel must move at least, :func:`dram_bytes`,
+  over the DRAM bandwidth).
+
+They are estimates from the compiled code, not measurements: the real GPU command is
+``symattn benchmark preset=gpu device=cuda attention_backends=[triton,torch]``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import linecache
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from symattn_cli.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPU:
+    """The peak figures and per-SM limits of one GPU, as its vendor states them."""
+
+    name: str
+    sms: int
+    schedulers: int  # warp schedulers per SM: warp instructions issued per cycle
+    clock_ghz: float  # boost clock
+    fp32_tflops: float  # FMA pipes, dense
+    fp64_tflops: float
+    tf32_tflops: float  # tensor cores, dense
+    dram_tbps: float
+    regs_per_sm: int = 65536
+    max_warps: int = 64  # resident warps per SM
+    max_blocks: int = 32
+    smem_per_sm: int = 228 * 1024
+    reserved_smem: int = 1024  # per block, taken by the system
+
+
+# compute capability -> the data-centre GPU of that architecture
+GPUS: dict[int, GPU] = {
+    90: GPU("H100 SXM5", sms=132, schedulers=4, clock_ghz=1.98, fp32_tflops=67.0,
+            fp64_tflops=34.0, tf32_tflops=494.7, dram_tbps=3.35),
+    80: GPU("A100 SXM4 80GB", sms=108, schedulers=4, clock_ghz=1.41, fp32_tflops=19.5,
+            fp64_tflops=9.7, tf32_tflops=156.0, dram_tbps=2.039, smem_per_sm=164 * 1024),
+}  # fmt: skip
+
+
+def gpu_for(arch: int) -> GPU:
+    if arch not in GPUS:
+        raise ConfigError(f"arch={arch}: no peak figures for it; choose one of {sorted(GPUS)}")
+    return GPUS[arch]
+
+
+# ---------------------------------------------------------------- the model's attention calls
+
+
+@dataclass
+class Call:
+    """One call of the attention core: its arguments as the dispatcher received them."""
+
+    layer: str
+    q: Any
+    k: Any
+    v: Any
+    group_rho: Any
+    rho: Any
+    offsets: Any
+    neighbour: Any
+    valid: Any
+    form: str
+    n: int
+    drop: float
+
+
+def attention_calls(case) -> list[Call]:
+    """The attention core's calls in one training-mode forward of ``case`` (a benchmark
+    :class:`~symattn_cli.bench.measure.Case`, resolved) on the CPU; the core itself is not run
+    (zeros stand in for its output)."""
+    import torch
+
+    from symattn_cli.bench.measure import build_case
+    from symattn_cli.nn.gsa import layer as gsa_layer
+
+    module, x, _ = build_case(case, "cpu")
+    module.train()
+    calls: list[Call] = []
+
+    def record(q, k, v, group_rho, rho, offsets, neighbour, valid, *, form, n, drop=0.0, **_):
+        kind = "lifting" if q.shape[2] == 1 and k.shape[2] == 1 else f"group {form}"
+        side = math.isqrt(q.shape[1])
+        where = f"{side}x{side}" if side * side == q.shape[1] else f"{q.shape[1]} points"
+        calls.append(Call(f"{len(calls) + 1} {kind} {where}", q, k, v, group_rho, rho, offsets,
+                          neighbour, valid, form, n, drop))  # fmt: skip
+        return q.new_zeros(q.shape[0], q.shape[1], n, q.shape[3])
+
+    original = gsa_layer.factorised_attention
+    gsa_layer.factorised_attention = record
+    try:
+        with torch.no_grad():
+            module(x)
+    finally:
+        gsa_layer.factorised_attention = original
+    return calls
+
+
+@dataclass
+class Launch:
+    """One kernel launch of a call: what the compiler and the bounds need."""
+
+    layer: str
+    kernel: str  # forward | backward
+    fn: Any
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict[str, Any]
+    flops: float
+    bytes: float
+    dtype: str
+
+
+def launches(call: Call) -> list[Launch]:
+    """The forward and backward launches of the Triton kernels for ``call``."""
+    import torch
+
+    import symattn_cli.nn.gsa.core as core
+    from symattn_cli.nn.gsa import triton as gsa_triton
+    from symattn_cli.nn.gsa.common import DROP_STEPS
+
+    single = call.form == "single"
+    q, k, v, rho = (None if t is None else t.contiguous() for t in
+                    (call.q, call.k, call.v, call.rho))  # fmt: skip
+    gl = core.group_logits(q, call.group_rho, single)
+    threshold = round(call.drop * DROP_STEPS)
+    rest = (call.offsets, call.neighbour.contiguous(),
+            None if call.valid is None else call.valid.contiguous(), single, call.n, threshold,
+            0x123456789)  # fmt: skip
+    z, n_q, _, d = q.shape
+    out = q.new_empty(z, n_q, call.n, d)
+    grads = tuple(q if t is None else torch.zeros_like(t) for t in (q, k, v, gl, rho))
+    shapes = _sizes(q, k, gl, rho, call.neighbour, call.n, single)
+    dtype = str(q.dtype).removeprefix("torch.")
+    result = []
+    lse = gsa_triton.statistics(q, gl, rho, single, call.n)
+    for name, (fn, grid, args, meta) in (
+        ("forward", gsa_triton.forward_launch(out, lse, q, k, v, gl, rho, *rest)),
+        ("backward", gsa_triton.backward_launch(grads, torch.zeros_like(out), lse, q, k, v, gl,
+                                                rho, *rest)),
+    ):  # fmt: skip
+        result.append(Launch(call.layer, name, fn, grid, args, meta,
+                             useful_flops(shapes, name), dram_bytes(shapes, name, q.element_size()),
+                             dtype))  # fmt: skip
+    return result
+
+
+def _sizes(q, k, gl, rho, neighbour, n, single) -> dict[str, Any]:
+    z, n_q, g, d = q.shape
+    return dict(Z=z, L=n_q, Lkv=k.shape[1], G=g, M=k.shape[2], d=d, J=neighbour.shape[1],
+                e=0 if rho is None else rho.shape[2], D=0 if rho is None else rho.shape[1],
+                V=n, gl=0 if gl is None else gl[0, 0].numel(), single=single,
+                rows=n if gl is not None and gl.dim() == 5 or not (single or rho is None) else 1,
+                gl_v=gl is not None and gl.dim() == 5)  # fmt: skip
+
+
+def useful_flops(s: dict[str, Any], kernel: str) -> float:
+    """The floating-point operations of the factorised algorithm (2 per multiply-add; the
+    products only, not the exponentials and softmax arithmetic), for all queries of one launch.
+
+    Per query point and batch-head, with K rows of the outer softmax: content q.k J M G d;
+    spatial K J G e; sum form W = sum_m pi v J M G d and out = sum beta W K J G d (single:
+    J G d); with a v-dependent group term the mixed weights P = sum_g beta pi V J M G and
+    out = P v V J M d. The backward has two products for each of the forward's."""
+    J, M, G, d, e, V = s["J"], s["M"], s["G"], s["d"], s["e"], s["V"]
+    rows = 1 if s["single"] else (V if (s["e"] or s["gl_v"]) else 1)
+    content = J * M * G * d
+    spatial = (J * G if s["single"] else rows * J * G) * e
+    if s["gl_v"]:
+        values = V * J * M * G + V * J * M * d
+    elif s["single"]:
+        values = J * M * G * d + J * G * d
+    else:
+        values = J * M * G * d + rows * J * G * d
+    per_query = 2 * (content + spatial + values)
+    factor = 1 if kernel == "forward" else 2
+    return float(factor * per_query * s["Z"] * s["L"])
+
+
+def dram_bytes(s: dict[str, Any], kernel: str, size: int) -> float:
+    """The bytes a kernel must move at least: each input read once and each output written
+    once (forward: q, k, v, the group logits, rho, the neighbour table in; out; backward: the
+    same and the output gradient in; dq, dk, dv, dgl, drho out)."""
+    Z, L, Lkv, G, M, d, V = s["Z"], s["L"], s["Lkv"], s["G"], s["M"], s["d"], s["V"]
+    q = Z * L * G * d
+    kv = 2 * Z * Lkv * M * d
+    gl = Z * L * s["gl"]
+    rho = V * s["D"] * s["e"]
+    out = Z * L * V * d + Z * L * s["G"] * s["rows"]  # and the outer log-sum-exp
+    inputs = (q + kv + gl + rho) * size + L * s["J"] * 9  # neighbour (int64) and valid (int8)
+    if kernel == "forward":
+        return float(inputs + out * size)
+    return float(inputs + out * size + (q + kv + gl + rho) * size)
+
+
+# ---------------------------------------------------------------- compiling and reading SASS
+
+
+_TYPES = {"float32": "fp32", "float64": "fp64", "int64": "i64", "int32": "i32", "int8": "i8",
+          "bool": "i1"}  # fmt: skip
+
+
+def signature(fn, args, meta) -> dict[str, str]:
+    """Triton's signature of ``fn`` called with ``args`` and compile-time ``meta``."""
+    import torch
+
+    values = dict(zip(fn.arg_names, args, strict=False))
+    out = {}
+    for name in fn.arg_names:
+        if name in meta:
+            out[name] = "constexpr"
+        elif torch.is_tensor(values[name]):
+            out[name] = "*" + _TYPES[str(values[name].dtype).removeprefix("torch.")]
+        else:
+            out[name] = "i32" if -(2**31) <= values[name] < 2**31 else "i64"
+    return out
+
+
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def compile_launch(launch: Launch, arch: int):
+    """``launch``'s kernel compiled for compute capability ``arch`` (no GPU needed; Triton
+    must have been imported without its interpreter)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    constexprs = {k: v for k, v in launch.meta.items() if k not in OPTIONS}
+    options = {k: v for k, v in launch.meta.items() if k in OPTIONS}
+    source = ASTSource(launch.fn, signature(launch.fn, launch.args, constexprs),
+                       constexprs=constexprs)  # fmt: skip
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def tool(name: str) -> str:
+    """A CUDA binary tool: Triton's own copy, else one on the PATH."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if bundled.exists():
+        return str(bundled)
+    found = shutil.which(name)
+    if not found:
+        raise ConfigError(f"{name} not found (it ships with Triton's NVIDIA backend)")
+    return found
+
+
+@contextlib.contextmanager
+def _cubin_file(cubin: bytes) -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+        yield path
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers per thread, stack frame and static shared memory (bytes) from the cubin."""
+    with _cubin_file(cubin) as path:
+        text = subprocess.run([tool("cuobjdump"), "-res-usage", path], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {key.lower(): int(value) for key, value in fields.items()}
+
+
+@dataclass
+class Instruction:
+    address: int
+    opcode: str
+    line: tuple[str, int] | None  # source file and line
+    target: str | None  # branch target label
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
+    """The machine code with each instruction's source line, and the labels' addresses."""
+    with _cubin_file(cubin) as path:
+        text = subprocess.run([tool("nvdisasm"), "-g", "-c", path], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    code: list[Instruction] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    line = None
+    for raw in text.splitlines():
+        where = re.search(r'//## File "([^"]+)", line (\d+)', raw)
+        if where:
+            line = (where.group(1), int(where.group(2)))
+            continue
+        label = re.match(r"^(\.L_x_\d+):", raw.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = _INSTRUCTION.search(raw)
+        if not found:
+            continue
+        address = int(found.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        target = re.search(r"`\((\.L_x_\d+)\)", found.group(3))
+        code.append(Instruction(address, found.group(2), line, target and target.group(1)))
+    return code, labels
+
+
+# Opcodes of a loop body's work (floating point, memory): how many copies an unrolled loop
+# holds is the ratio of their counts.
+_WORK = ("F", "D", "MUFU", "LDG", "STG", "LDS", "STS", "RED", "ATOM", "HMMA")
+
+
+@dataclass
+class Loop:
+    start: int
+    end: int
+    line: tuple[str, int] | None
+    size: int  # work instructions in the body
+    parent: Loop | None = None
+    trips: float = 1.0
+    known: bool = True
+
+
+def _trip_count(line: tuple[str, int] | None, names: dict[str, Any]) -> int | None:
+    """The trip count of the ``for ... in range(...)`` statement at ``line``, its bounds
+    evaluated with ``names``; None where the line is no such statement."""
+    if line is None:
+        return None
+    text = linecache.getline(line[0], line[1]).strip()
+    if not text.startswith("for "):
+        return None
+    try:
+        node = ast.parse(text + " pass").body[0]
+        call = node.iter
+        bounds = [eval(compile(ast.Expression(a), "<bound>", "eval"), {}, names)  # noqa: S307
+                  for a in call.args]  # fmt: skip
+    except Exception:  # noqa: BLE001 (not a plain range over the kernel's sizes)
+        return None
+    return len(range(*[int(b) for b in bounds]))
+
+
+def loops(code: list[Instruction], labels: dict[str, int], names: dict[str, Any]) -> list[Loop]:
+    """The loops of ``code`` (backward branches), nested, with their trip counts."""
+    found = []
+    for ins in code:
+        if ins.opcode.startswith("BRA") and ins.target in labels:
+            start = labels[ins.target]
+            if start < ins.address:  # (a branch to itself ends the code: never run)
+                body = [i for i in code if start <= i.address <= ins.address]
+                work = sum(i.opcode.startswith(_WORK) for i in body)
+                found.append(Loop(start, ins.address, ins.line, max(work, 1)))
+    found.sort(key=lambda lp: (lp.start, -lp.end))
+    for loop in found:
+        around = [o for o in found if o is not loop and o.start <= loop.start
+                  and loop.end <= o.end]  # fmt: skip
+        loop.parent = min(around, key=lambda o: o.end - o.start) if around else None
+    # Copies of one source loop under one parent: an unrolled loop and its remainder.
+    by_source: dict[tuple, list[Loop]] = {}
+    for loop in found:
+        by_source.setdefault((loop.line, id(loop.parent)), []).append(loop)
+    for copies in by_source.values():
+        n = _trip_count(copies[0].line, names)
+        if n is None:
+            for loop in copies:
+                loop.known = False
+            continue
+        smallest = min(loop.size for loop in copies)
+        left = n
+        for index, loop in enumerate(copies):
+            last = index == len(copies) - 1
+            unroll = 1 if last else max(1, 2 ** round(math.log2(loop.size / smallest)))
+            loop.trips = left if last else left // unroll
+            left -= loop.trips * unroll
+    return found
+
+
+def weighted_counts(code: list[Instruction], found: list[Loop]) -> dict[str, float]:
+    """Instructions per warp, each weighted by the trip counts of the loops around it, in
+    total and by kind."""
+    kinds = {
+        "global": ("LDG", "STG"), "atomic": ("RED", "ATOM"), "barrier": ("BAR",),
+        "shared": ("LDS", "STS"), "spill": ("LDL", "STL"), "mma": ("HMMA", "DMMA", "IMMA"),
+        "fma": ("FFMA", "DFMA", "FMUL", "DMUL", "FADD", "DADD"),
+    }  # fmt: skip
+    counts = dict.fromkeys(["instructions", *kinds], 0.0)
+    for ins in code:
+        weight = 1.0
+        for loop in found:
+            if loop.start <= ins.address <= loop.end:
+                weight *= loop.trips
+        counts["instructions"] += weight
+        for kind, prefixes in kinds.items():
+            if ins.opcode.startswith(prefixes):
+                counts[kind] += weight
+    return counts
+
+
+def occupancy(gpu: GPU, regs: int, shared: int, warps: int) -> tuple[int, float]:
+    """Blocks per SM and the fraction of the SM's warps they hold: registers are allocated
+    per warp in units of 256 within each of the four sub-partitions."""
+    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
+    by_regs = (gpu.regs_per_sm // 4 // per_warp) * 4 // warps
+    by_shared = gpu.smem_per_sm // max(shared, 1)
+    blocks = min(by_regs, by_shared, gpu.max_warps // warps, gpu.max_blocks)
+    return blocks, blocks * warps / gpu.max_warps
+
+
+def analyse(launch: Launch, arch: int) -> dict[str, Any]:
+    """One row of the report for ``launch`` compiled for ``arch``."""
+    gpu = gpu_for(arch)
+    compiled = compile_launch(launch, arch)
+    cubin = compiled.asm["cubin"]
+    usage = resource_usage(cubin)
+    warps = compiled.metadata.num_warps
+    shared = compiled.metadata.shared + max(usage.get("shared", 0), gpu.reserved_smem)
+    blocks, occ = occupancy(gpu, usage["reg"], shared, warps)
+    names = dict(zip(launch.fn.arg_names, launch.args, strict=False)) | launch.meta
+    names = {k: v for k, v in names.items() if isinstance(v, (int, bool))}
+    code, labels = sass(cubin)
+    found = loops(code, labels, names)
+    counts = weighted_counts(code, found)
+    programs = math.prod(launch.grid)
+    waves = programs / (gpu.sms * max(blocks, 1))
+    warp_instructions = counts["instructions"] * warps * programs
+    issue_s = warp_instructions / (gpu.sms * gpu.schedulers * gpu.clock_ghz * 1e9)
+    if counts["mma"]:
+        peak, unit = gpu.tf32_tflops, "tensor"
+    elif launch.dtype == "float64":
+        peak, unit = gpu.fp64_tflops, "fp64"
+    else:
+        peak, unit = gpu.fp32_tflops, "fp32"
+    flop_s = launch.flops / (peak * 1e12)
+    dram_s = launch.bytes / (gpu.dram_tbps * 1e12)
+    return dict(
+        layer=launch.layer, kernel=launch.kernel, dtype=launch.dtype, programs=programs,
+        warps=warps, regs=usage["reg"], stack_bytes=usage.get("stack", 0),
+        spill_instructions=sum(i.opcode.startswith(("LDL", "STL")) for i in code),
+        shared_bytes=shared, blocks_per_sm=blocks, occupancy=occ, waves=waves,
+        sass_instructions=len(code), loops=len(found),
+        unknown_loops=sum(not lp.known for lp in found),
+        instructions_per_program=counts["instructions"] * warps,
+        atomics_per_program=counts["atomic"] * warps, barriers_per_program=counts["barrier"],
+        mma_per_program=counts["mma"] * warps, warp_instructions=warp_instructions,
+        flops=launch.flops, bytes=launch.bytes, flop_unit=unit, issue_ms=issue_s * 1e3,
+        flop_ms=flop_s * 1e3, dram_ms=dram_s * 1e3,
+        issue_over_bound=issue_s / max(flop_s, dram_s),
+    )  # fmt: skip
+
+
+def report(case, arch: int = 90) -> list[dict[str, Any]]:
+    """The report's rows for every attention launch of ``case`` (forward and backward of each
+    layer), then a total row per kernel and fwd+bwd (times summed; occupancy the lowest)."""
+    gpu_for(arch)
+    rows = [analyse(launch, arch) for call in attention_calls(case) for launch in launches(call)]
+    totals = []
+    for kernel in ("forward", "backward", "fwd+bwd"):
+        part = [r for r in rows if kernel in ("fwd+bwd", r["kernel"])]
+        if not part:
+            continue
+        total = dict.fromkeys(rows[0], 0)
+        total.update(layer="total", kernel=kernel, dtype=part[0]["dtype"],
+                     flop_unit=",".join(sorted({r["flop_unit"] for r in part})))  # fmt: skip
+        for key in ("programs", "warp_instructions", "flops", "bytes", "issue_ms", "flop_ms",
+                    "dram_ms", "spill_instructions"):  # fmt: skip
+            total[key] = sum(r[key] for r in part)
+        for key in ("regs", "shared_bytes", "stack_bytes"):
+            total[key] = max(r[key] for r in part)
+        total["occupancy"] = min(r["occupancy"] for r in part)
+        total["blocks_per_sm"] = min(r["blocks_per_sm"] for r in part)
+        total["issue_over_bound"] = total["issue_ms"] / max(total["flop_ms"], total["dram_ms"])
+        totals.append(total)
+    return rows + totals
+
+
+def assumptions(arch: int) -> str:
+    """The peak figures the bounds assume, in one line."""
+    gpu = gpu_for(arch)
+    return (f"sm_{arch} as {gpu.name}: {gpu.sms} SMs, {gpu.schedulers} warp schedulers/SM at "
+            f"{gpu.clock_ghz} GHz (issue), {gpu.fp32_tflops} TFLOP/s fp32, {gpu.fp64_tflops} "
+            f"fp64, {gpu.tf32_tflops} tf32 tensor (dense), {gpu.dram_tbps} TB/s DRAM; "
+            f"{gpu.regs_per_sm} registers, {gpu.max_warps} warps, {gpu.max_blocks} blocks, "
+            f"{gpu.smem_per_sm // 1024} KiB shared memory per SM")  # fmt: skip

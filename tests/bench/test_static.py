@@ -1,0 +1,86 @@
+"""``symattn benchmark preset=gpu-static``: the Triton kernels compiled for a GPU without one,
+read back from their machine code. The figures are estimates; the tests check the arithmetic
+of the occupancy and the loop weighting, and that the command reports every launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from symattn_cli.bench import static
+from symattn_cli.train.runfile import read_summary, read_table
+from tests.helpers import run_symattn
+
+
+def test_occupancy_follows_the_register_and_warp_limits():
+    h100 = static.GPUS[90]
+    # 146 registers: 19 x 256 per warp, 3 warps per sub-partition: 3 blocks of 4 warps
+    assert static.occupancy(h100, 146, 1536, 4) == (3, 12 / 64)
+    assert static.occupancy(h100, 32, 1536, 4) == (16, 1.0)  # the warp limit
+    assert static.occupancy(h100, 32, 100 * 1024, 4) == (2, 8 / 64)  # shared memory
+
+
+def test_trip_counts_come_from_the_for_statement(tmp_path: Path):
+    source = tmp_path / "kernel.py"
+    source.write_text("for j0 in range(0, J, BJ):\n    for ch in range(d):\n        x = 1\n")
+    names = {"J": 25, "BJ": 16, "d": 10}
+    assert static._trip_count((str(source), 1), names) == 2
+    assert static._trip_count((str(source), 2), names) == 10
+    assert static._trip_count((str(source), 3), names) is None
+
+
+def test_unrolled_loops_share_the_trip_count(tmp_path: Path):
+    """A loop of 10 trips unrolled 4 times: its copy runs twice, the remainder twice; the
+    instruction inside both, under the outer loop of 2, count 2 * (4 * 2 + 2) times."""
+    source = tmp_path / "kernel.py"
+    source.write_text("for j0 in range(0, J, BJ):\n    for ch in range(d):\n        x = 1\n")
+    outer, inner = (str(source), 1), (str(source), 2)
+    ins = static.Instruction
+    code = [ins(0x00, "MOV", None, None)]
+    code += [ins(0x10 + 0x10 * i, "FFMA", inner, None) for i in range(4)]  # unrolled x4
+    code += [ins(0x50, "BRA", inner, ".L_x_1")]
+    code += [ins(0x60, "FFMA", inner, None), ins(0x70, "BRA", inner, ".L_x_2")]
+    code += [ins(0x80, "BRA", outer, ".L_x_0"), ins(0x90, "EXIT", None, None)]
+    labels = {".L_x_0": 0x00, ".L_x_1": 0x10, ".L_x_2": 0x60}
+    found = static.loops(code, labels, {"J": 25, "BJ": 16, "d": 10})
+    assert sorted(loop.trips for loop in found) == [2, 2, 2]
+    counts = static.weighted_counts(code, found)
+    assert counts["fma"] == 2 * (4 * 2 + 2)
+
+
+def test_useful_flops_and_bytes_of_a_layer():
+    sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, gl=6, single=False, rows=2,
+                 gl_v=False)  # fmt: skip
+    # content, W and spatial, out: J M G d twice, K J G e, K J G d
+    assert static.useful_flops(sizes, "forward") == 2 * (2 * 120 + 2 * 5 * 2 * 2 + 2 * 5 * 2 * 4)
+    assert static.useful_flops(sizes, "backward") == 2 * static.useful_flops(sizes, "forward")
+    assert static.dram_bytes(sizes, "forward", 4) > 0
+
+
+@pytest.mark.slow
+def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
+    """The z2 net at batch 1: the lifting and four group layers, forward and backward each,
+    compiled for sm_90, with the totals; a row per launch in the run file."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "H100" in result.stdout and "estimates" in result.stdout
+    rows = read_table(out / "run.h5", "static")
+    layers = rows["layer"] != "total"
+    assert set(rows["kernel"][layers]) == {"forward", "backward"}
+    assert layers.sum() == 2 * 6 and (~layers).sum() == 3  # six attention layers
+    for column in ("regs", "programs", "instructions_per_program", "issue_ms", "flop_ms",
+                   "dram_ms"):  # fmt: skip
+        assert np.all(rows[column][layers] > 0), column
+    assert np.all((rows["occupancy"] > 0) & (rows["occupancy"] <= 1))
+    summary = read_summary(out / "run.h5")
+    assert summary["arch"] == 90 and summary["case0_fwd_bwd_issue_ms"] > 0

@@ -80,7 +80,9 @@ class Case:
     batch: int = 2
     channels: int = 20
     heads: int = 9
-    group_index: str = "relative"  # GSA layers and nets: pair | gevit | relative | shifted
+    group_index: str = (
+        "gevit"  # GSA layers and nets: pair | gevit (the default) | relative | shifted
+    )
     attention_backend: str = "auto"  # GSA layers and nets: the attention core's backend
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -108,7 +110,7 @@ class Case:
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
             if self.attends:  # GSA-Nets: their form, neighbourhood and group index matter
-                index = "" if self.group_index == "relative" else f" {self.group_index}"
+                index = "" if self.group_index == "gevit" else f" {self.group_index}"
                 extra = f" {self.query_form} {patch}{index}{extra}"
             return f"{self.name}{extra}{backend} {size}"
         index = f" {self.group_index}" if self.name == "gsa" and not self.lifting else ""

@@ -83,8 +83,12 @@ def quick_cases() -> list[Case]:
         gsa_layer("r4", "sum", patch=3, side=8, batch=1),
         gsa_layer("r4", "lifting", patch=3, side=6, batch=1),
         gsa_layer("r4", "sum", patch=None, side=4, batch=1),
-        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), attention_backend="dense"),
-        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="pair"),
+        replace(
+            gsa_layer("r4", "sum", patch=3, side=6, batch=1),
+            attention_backend="dense",
+            group_index="relative",
+        ),
+        replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), group_index="relative"),
         Case(kind="layer", name="conv", patch_size=3, image_size=6, batch=1),
         Case(kind="layer", name="gconv", group="r4", patch_size=3, image_size=6, batch=1),
         model("cnn", batch=1, channels=[4, 8]),
@@ -102,11 +106,11 @@ def default_cases() -> list[Case]:
         cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
     cases += [gsa_layer("r8", "sum", batch=b) for b in (1, 8)]  # vs batch
     for group in ("r4", "r8"):  # the reference's algorithm (full N^3 P^2 logits), same sizes
-        cases.append(replace(gsa_layer(group, "sum"), attention_backend="dense"))
+        naive = replace(gsa_layer(group, "sum"), attention_backend="dense", group_index="relative")
+        cases.append(naive)
     for group in ("r4", "r8", "r8m"):  # the group term's index: its cost per form
-        for index in ("pair", "gevit"):
+        for index in ("pair", "gevit", "relative"):
             cases.append(replace(gsa_layer(group, "sum"), group_index=index))
-        cases.append(replace(gsa_layer(group, "single"), group_index="pair"))
     for k in (3, 5):  # the convolutions a GSA layer replaces
         cases.append(Case(kind="layer", name="conv", patch_size=k, image_size=12))
         cases.append(Case(kind="layer", name="gconv", group="r4", patch_size=k, image_size=12))

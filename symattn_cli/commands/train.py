@@ -51,9 +51,12 @@ def stored_config(path: Path):
     from omegaconf import OmegaConf
 
     from symattn_cli.configs.base import TrainConfig
+    from symattn_cli.models.registry import stored_model_options
     from symattn_cli.train.runfile import read_config_yaml
 
     stored = OmegaConf.create(read_config_yaml(path))
+    if "model" in stored:
+        stored.model = stored_model_options(OmegaConf.to_container(stored.model))
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
 
 

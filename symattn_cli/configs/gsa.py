@@ -18,7 +18,7 @@ class GSANetConfig:
     # the group term's index (docs/gsa-nets.md): pair | gevit (exact, see the group axis),
     # relative (exact, blind to the group axis in the sum form), shifted (the reference's, not
     # equivariant: a negative control)
-    group_index: str = "relative"
+    group_index: str = "gevit"  # the layer's DEFAULT_GROUP_INDEX
     channels: int = 0
     heads: int = 0
     block_sizes: list[int] = field(default_factory=list)

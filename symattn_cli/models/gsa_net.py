@@ -22,7 +22,7 @@ from torch import nn
 from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
-from symattn_cli.nn.gsa import GroupSelfAttention
+from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
 from symattn_cli.nn.positional import Swish
 
 # Paper / reference architectures (GSA-Nets App. F); the crops of "pcam" differ from the
@@ -143,7 +143,7 @@ class GSANet(nn.Module):
         checkpointing: bool = True,
         chunk_elements: int = 0,
         attention_backend: str = "auto",
-        group_index: str = "relative",
+        group_index: str = DEFAULT_GROUP_INDEX,
         init_gain: float = 2**0.5,
         norm: str = "layer",
     ) -> None:
@@ -276,7 +276,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         checkpointing=options.get("checkpointing", True),
         chunk_elements=options.get("chunk_elements", 0),
         attention_backend=options.get("attention_backend", "auto"),
-        group_index=options.get("group_index", "relative"),
+        group_index=options.get("group_index", DEFAULT_GROUP_INDEX),
         norm=options.get("norm", "layer"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )

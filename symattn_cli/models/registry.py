@@ -45,6 +45,16 @@ def build_model(options: Mapping[str, Any], spec: DataSpec):
     return module.build(options, spec)
 
 
+def stored_model_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A model config as a run file stored it, with the values of options added since: a
+    GSA-Net stored without ``group_index`` was built with the only index there was then,
+    ``relative``."""
+    options = dict(options)
+    if options.get("family") == "gsa":
+        options.setdefault("group_index", "relative")
+    return options
+
+
 def default_spec(family: str, options: Mapping[str, Any]) -> DataSpec:
     """The data a model is built for when :func:`create_model` is given none."""
     module = importlib.import_module(FAMILY_MODULES[family])

@@ -28,14 +28,14 @@ def load_trained(path: Path, data_root: Path) -> tuple[nn.Module, Any, dict]:
     from omegaconf import OmegaConf
 
     from symattn_cli.data.registry import build_data
-    from symattn_cli.models.registry import build_model
+    from symattn_cli.models.registry import build_model, stored_model_options
     from symattn_cli.train.runfile import read_config_yaml, read_weights
 
     config = OmegaConf.to_container(OmegaConf.create(read_config_yaml(path)), resolve=True)
     if "model" not in config or "data" not in config:
         raise UserError(f"{path} holds no training config; pass the run.h5 of `symattn train`")
     data = build_data(config["data"], data_root)
-    model = build_model(config["model"], data.spec)
+    model = build_model(stored_model_options(config["model"]), data.spec)
     weights = {k: torch.from_numpy(v) for k, v in read_weights(path).items()}
     model.load_state_dict(weights)
     return model.eval(), data, config

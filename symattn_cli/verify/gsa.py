@@ -33,14 +33,14 @@ from torch import nn
 
 from symattn_cli.groups import GROUP_NAMES, Group, get_group, grid_coordinates
 from symattn_cli.models.gsa_net import GSABlock, GSANet
-from symattn_cli.nn.gsa import GroupSelfAttention
+from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 LAYER_KINDS = ("lifting", "group_sum", "group_single", "block", "network", "group_shifted")
 DEFAULT_KINDS = ("lifting", "group_sum", "group_single", "block", "network")
 # group indices checked per query form, and the index of the other kinds' group layers
 INDICES = ("pair", "gevit", "relative")
-DEFAULT_INDEX = "pair"
+DEFAULT_INDEX = DEFAULT_GROUP_INDEX
 # indices whose sum-form layer is unchanged by (g, m) -> (u g, u m), hence blind to its input's
 # group axis: relative's g^-1 m, and the reference's m - g + v
 BLIND_IN_SUM = ("relative", "shifted")

@@ -196,3 +196,14 @@ def test_every_group_layer_of_a_shipped_net_sees_its_group_axis(name):
     for r in records:
         assert r["expected"] == "responds", (name, r["layer"], r["index"], r["query_form"])
         assert r["max_rel"] >= 1e-6, (name, r["layer"], r["max_rel"])
+
+
+def test_a_net_stored_before_the_group_index_option_keeps_its_index():
+    """Run files from before ``group_index`` existed were built with ``relative``: their
+    stored config must rebuild that net, not today's default."""
+    from symattn_cli.models.registry import stored_model_options
+
+    assert stored_model_options({"family": "gsa"})["group_index"] == "relative"
+    kept = stored_model_options({"family": "gsa", "group_index": "pair"})
+    assert kept["group_index"] == "pair"
+    assert "group_index" not in stored_model_options({"family": "cnn"})

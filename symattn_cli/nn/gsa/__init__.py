@@ -4,6 +4,7 @@ and the dense oracle (:mod:`.dense`)."""
 
 from symattn_cli.nn.gsa.layer import (
     AUTO_CHUNK,
+    DEFAULT_GROUP_INDEX,
     GROUP_INDEX,
     QUERY_FORMS,
     GroupSelfAttention,
@@ -14,6 +15,7 @@ from symattn_cli.nn.gsa.layer import (
 
 __all__ = [
     "AUTO_CHUNK",
+    "DEFAULT_GROUP_INDEX",
     "GROUP_INDEX",
     "QUERY_FORMS",
     "GroupSelfAttention",

@@ -66,6 +66,8 @@ QUERY_FORMS = ("sum", "single")
 # where every operation is a kernel launch.
 AUTO_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 26}
 GROUP_INDEX = ("pair", "gevit", "relative", "shifted")
+# the shipped default: exact, sees the group axis, N rows (chosen by measurement: docs/results.md)
+DEFAULT_GROUP_INDEX = "gevit"
 # ``attention_backend``: a backend of the core, or ``"dense"``, the reference algorithm with its
 # full (V, G, J, M) logits per query (for inspection and benchmarks).
 ATTENTION_BACKENDS = (*BACKENDS, "dense")
@@ -95,7 +97,7 @@ class GroupSelfAttention(nn.Module):
         position: str = "relative",
         position_hidden: int = 16,
         max_offset: float | None = None,
-        group_index: str = "pair",
+        group_index: str = DEFAULT_GROUP_INDEX,
         checkpointing: bool = True,
         chunk_elements: int = 0,
         attention_backend: str = "auto",

@@ -1,4 +1,4 @@
-"""Generated seq2seq tasks for knowledge attention: ``arithmetic``, ``addition``, ``sort``, ``reverse``.
+"""Generated seq2seq tasks for knowledge attention: arithmetic, addition, sort, reverse.
 
 Everything is generated from ``split_seed``; nothing is downloaded. Every item is
 ``(tokens, targets)``, both int64 (n,): the output has the input's length and the answer is
@@ -243,9 +243,7 @@ def build_addition(options: dict[str, Any]) -> DataBundle:
         "train": _draw_sums(rng, counts["num_train"], train_len, seed, *edges[0:2], "train"),
         "val": _draw_sums(rng, counts["num_val"], train_len, seed, *edges[1:3], "val"),
         "test": _draw_sums(rng, counts["num_test"], train_len, seed, *edges[2:4], "test"),
-        "test_long": _draw_sums(
-            rng, counts["num_test_long"], long_len, seed, *whole, "test_long"
-        ),
+        "test_long": _draw_sums(rng, counts["num_test_long"], long_len, seed, *whole, "test_long"),
         "test_longer": _draw_sums(
             rng, counts["num_test_longer"], longer_len, seed, *whole, "test_longer"
         ),
@@ -380,7 +378,7 @@ def _bundle(
 
 
 def build(name: str, options: dict[str, Any], root: Path) -> DataBundle:
-    """Generate ``name`` (``arithmetic`` | ``addition`` | ``sort`` | ``reverse``); ``root`` unused."""
+    """Generate dataset ``name`` (arithmetic, addition, sort, reverse); ``root`` is unused."""
     options = dict(options)
     if name == "arithmetic":
         return build_arithmetic(options)

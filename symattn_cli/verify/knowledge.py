@@ -319,11 +319,20 @@ def addition_example(*, causal: bool = False, reverse_answer: bool = True):
     (6, n) with digits, '+', '=' and answer positions, for the indexed-position checks."""
     from symattn_cli.data.sequences import build
 
-    options = {"num_train": 6, "num_val": 6, "num_test": 6, "max_digits": 4,
-               "test_min_len": 5, "test_max_len": 12, "decoding": "causal" if causal else "one_pass",
-               "reverse_answer": reverse_answer}  # fmt: skip
+    options = {
+        "num_train": 6,
+        "num_val": 6,
+        "num_test": 6,
+        "max_digits": 4,
+        "test_min_len": 5,
+        "test_max_len": 12,
+        "decoding": "causal" if causal else "one_pass",
+        "reverse_answer": reverse_answer,
+    }
     bundle = build("addition", options, None)
-    items = [bundle.test[i] for i in range(3)] + [bundle.extra_tests["test_long"][i] for i in range(3)]
+    items = [bundle.test[i] for i in range(3)] + [
+        bundle.extra_tests["test_long"][i] for i in range(3)
+    ]
     tokens, _ = bundle.collate(items)  # (6, n)
     return tokens, bundle.spec
 

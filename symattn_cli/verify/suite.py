@@ -96,7 +96,6 @@ def knowledge_checks(*, dtype: str, seed: int) -> list[Check]:
     import torch
 
     from symattn_cli.models.knowledge import FORMS, build_model
-    from symattn_cli.models.knowledge import build as build_ka
     from symattn_cli.verify import knowledge as kv
 
     torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
@@ -127,6 +126,35 @@ def knowledge_checks(*, dtype: str, seed: int) -> list[Check]:
             encoded = kv.model_permutation_error(model(form, "footnote"), tokens,
                                                  convention=convention, seed=seed)  # fmt: skip
             add("permutation", f"ka_{form} model + position", element, encoded, "violation")
+    rows += indexed_position_checks(dtype=dtype, seed=seed)
+    add("identity", "multi-head attention", "Z=[W_Qᵀ,W_Kᵀ], A=[[0,I],[0,0]]",
+        kv.attention_identity_error(seed=seed), "exact", "vs torch MultiheadAttention")  # fmt: skip
+    remark = kv.remark41_errors(seed=seed)
+    add("identity", "Prop. 4.1 ρ/ψ", "Remark 4.1 corrected", remark["corrected"], "exact")
+    add("identity", "Prop. 4.1 layer", "ρ/ψ layer = softmax", remark["layer"], "exact")
+    add("identity", "Prop. 4.1 ρ/ψ", "Remark 4.1 as printed", remark["as_printed"], "violation",
+        "misses the self term of the denominator")  # fmt: skip
+    add("O(d)", "fixed one-hot embedding", "swap e₊, e₋ (Sec. 3.2)",
+        kv.fixed_embedding_violation(), "violation", "share of '2 + 1' targets broken")  # fmt: skip
+    return rows
+
+
+def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
+    """Coupled and abacus positions on addition, one pass and causal answers: O(d)
+    invariance with knowledge, its negative control, non-degeneracy (positions moved) and,
+    for causal answers, that no logit reads a later answer token."""
+    import torch
+
+    from symattn_cli.models.knowledge import build as build_ka
+    from symattn_cli.verify import knowledge as kv
+
+    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    rows: list[Check] = []
+
+    def add(symmetry, layer, element, error, expect, note=""):
+        rows.append(Check("knowledge", symmetry, layer, element, error, error, expect, dtype,
+                          note=note))  # fmt: skip
+
     for position in ("coupled", "abacus"):
         for causal in (False, True):
             example, spec = kv.addition_example(causal=causal)
@@ -143,17 +171,9 @@ def knowledge_checks(*, dtype: str, seed: int) -> list[Check]:
                 kv.position_shift_change(indexed, example), "violation",
                 "the logits see the positions")  # fmt: skip
             if causal:
-                add("causality", layer, "later answer tokens replaced",
-                    kv.causal_leak(indexed, example), "exact", "earlier logits unchanged")  # fmt: skip
-    add("identity", "multi-head attention", "Z=[W_Qᵀ,W_Kᵀ], A=[[0,I],[0,0]]",
-        kv.attention_identity_error(seed=seed), "exact", "vs torch MultiheadAttention")  # fmt: skip
-    remark = kv.remark41_errors(seed=seed)
-    add("identity", "Prop. 4.1 ρ/ψ", "Remark 4.1 corrected", remark["corrected"], "exact")
-    add("identity", "Prop. 4.1 layer", "ρ/ψ layer = softmax", remark["layer"], "exact")
-    add("identity", "Prop. 4.1 ρ/ψ", "Remark 4.1 as printed", remark["as_printed"], "violation",
-        "misses the self term of the denominator")  # fmt: skip
-    add("O(d)", "fixed one-hot embedding", "swap e₊, e₋ (Sec. 3.2)",
-        kv.fixed_embedding_violation(), "violation", "share of '2 + 1' targets broken")  # fmt: skip
+                leak = kv.causal_leak(indexed, example)
+                add("causality", layer, "later answer tokens replaced", leak, "exact",
+                    "earlier logits unchanged")  # fmt: skip
     return rows
 
 

@@ -229,3 +229,19 @@ def test_torchrun_data_parallel_on_cpu(workdir):
     metrics = read_metrics(run_dir / "run.h5")
     assert metrics["step"].tolist() == [10.0, 20.0]  # 320 / 2 processes / batch 16
     assert read_status(run_dir / "run.h5") == "finished"
+
+
+def test_addition_recipe_end_to_end_with_a_tiny_budget(workdir):
+    run = workdir / "add"
+    result = run_symattn(
+        "train", "experiment=ka_addition", "data.num_train=64", "data.num_val=16",
+        "data.num_test=16", "data.max_digits=3", "model.d_model=8", "model.heads=2",
+        "model.layers=1", "model.mlp_hidden=16", "trainer.epochs=1",
+        "trainer.max_steps_per_epoch=2", "trainer.batch_size=32", "trainer.progress=plain",
+        "logger.mode=disabled", f"hydra.run.dir={run}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = read_summary(run / "run.h5")
+    for split in ("test", "test_long", "test_longer"):
+        assert 0.0 <= summary[f"{split}_exact"] <= summary[f"{split}_acc"] <= 1.0
+    assert "test_longer_exact" in result.stdout

@@ -1,4 +1,4 @@
-"""Typed configs of the generated sequence tasks (conf/data: arithmetic, addition, sort, reverse)."""
+"""Typed configs of the generated sequence tasks (conf/data: arithmetic, addition, sort, ...)."""
 
 from __future__ import annotations
 

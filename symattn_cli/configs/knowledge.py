@@ -30,7 +30,9 @@ class KnowledgeAttentionConfig:
     position: str = "footnote"
     position_base: float = 10000.0
     position_scale: float = 1.0  # initial scale of the position frame / table
-    position_offset: int = 0  # abacus: random training offset k ∈ [0, this]; 0 = max_len // 2
+    # coupled / abacus: random training offset k ∈ [0, this] added to every index;
+    # -1 = the position's own (abacus: max_len // 2, coupled: 0)
+    position_offset: int = -1
     norm: bool = True  # scalar-gain RMS norms (rotation equivariant)
     residual: bool = True
     vocab_size: int = 0  # 0 = from the data

@@ -19,9 +19,10 @@ Positions as knowledge (``position=coupled|abacus``): each token gets an index c
 token structure (:func:`coupled_index`): a digit's significance within its number (1 = units),
 shared by the operands and the answer (position coupling, Cho et al. 2024); 0 for operators.
 ``coupled`` encodes c_t by sinusoids through the frame F (defined at every index);
-``abacus`` looks c_t + k up in a learned table through F, k drawn per sequence from
-[0, position_offset] in training and 0 in evaluation (Abacus embeddings, McLeish et al.
-2024), so the table's rows beyond the training lengths are trained too. Either way p_t = F(…)
+``abacus`` looks it up in a learned table through F (Abacus embeddings, McLeish et al.
+2024). In training, c_t + k is used with k drawn per sequence from [0, position_offset]
+(abacus by default, coupled when asked; 0 in evaluation), so that indices beyond the
+training lengths are seen too. Either way p_t = F(…)
 rotates with the embedding (F → QF) and the invariance above holds exactly.
 
 Causal answers (``DataSpec.causal_answer``): answer position t holds the answer token before
@@ -332,7 +333,7 @@ def build_model(
     position: str = "footnote",
     position_base: float = 10000.0,
     position_scale: float = 1.0,
-    position_offset: int = 0,
+    position_offset: int = -1,
     norm: bool = True,
     residual: bool = True,
     tokens: tuple[str, ...] = (),
@@ -344,8 +345,9 @@ def build_model(
     ``knowledge=0`` means 2·d/h (Z_i = [W_Qᵀ, W_Kᵀ] of a standard head); ``value_dim=0``
     means d/h; ``mlp_hidden=0`` drops the position-wise MLPs. ``position=coupled|abacus``
     need the token strings (``tokens``: digits "0"–"9" and the slot "_") and the answer's
-    digit order; ``position_offset`` (abacus) is the largest random training offset, 0 =
-    max_len // 2; the table has max_len + offset + 1 rows. ``causal``: causal answers.
+    digit order; ``position_offset`` is the largest random training offset of an indexed
+    position (-1: abacus max_len // 2, coupled none); the abacus table has
+    max_len + offset + 1 rows. ``causal``: causal answers.
     """
     if d_model < 1 or heads < 1 or layers < 0:
         raise ConfigError(
@@ -411,12 +413,14 @@ def build_model(
             pad=pad_index,
             answer_order=answer_order,
         )
-    if position_offset < 0:
-        raise ConfigError(f"model.position_offset={position_offset} must be >= 0")
-    if position == "abacus":
-        position_offset = position_offset or max(1, max_len // 2)
-    else:
+    if position_offset < -1:
+        raise ConfigError(
+            f"model.position_offset={position_offset} must be >= 0 (or -1: the position's own)"
+        )
+    if position not in INDEXED_POSITIONS:
         position_offset = 0
+    elif position_offset == -1:  # abacus: max_len // 2; coupled: none
+        position_offset = max(1, max_len // 2) if position == "abacus" else 0
     width = d_model - d_model % 2
     if position == "footnote":
         pos: nn.Module | None = SinusoidPosition(

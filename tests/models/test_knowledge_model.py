@@ -169,8 +169,8 @@ def test_indexed_positions_and_causal_answers_refuse_what_they_cannot_do():
         addition_model("coupled", causal=True, form="quartic")
     with pytest.raises(ConfigError, match="position=coupled indexes digits"):
         build({"position": "coupled"}, DataSpec(task="tokens", num_classes=4, tokens=("a",)))
-    with pytest.raises(ConfigError, match="position_offset=-1"):
-        addition_model("abacus", position_offset=-1)
+    with pytest.raises(ConfigError, match="position_offset=-2"):
+        addition_model("abacus", position_offset=-2)
     model, example, _ = addition_model("abacus")
     with pytest.raises(ValueError, match="exceeds the table"):
         model(example, position_shift=1000)

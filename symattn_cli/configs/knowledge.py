@@ -24,11 +24,15 @@ class KnowledgeAttentionConfig:
     g_features: int = 16  # perm: width of ψ's output
     g_activation: str = "gelu"
     score_init: str = "attention"  # quadratic form A at start: attention ([[0,I],[0,0]]) | random
-    position: str = (
-        "footnote"  # footnote (base n) | sinusoidal (base position_base) | learned | none
-    )
+    # footnote (base n) | sinusoidal (base position_base) | learned | none | coupled (each
+    # digit's significance, shared by operands and answer, as sinusoids) | abacus (the same
+    # index plus a random training offset, in a learned table); all seen through a frame F
+    position: str = "footnote"
     position_base: float = 10000.0
     position_scale: float = 1.0  # initial scale of the position frame / table
+    # coupled / abacus: random training offset k ∈ [0, this] added to every index;
+    # -1 = the position's own (abacus: max_len // 2, coupled: 0)
+    position_offset: int = -1
     norm: bool = True  # scalar-gain RMS norms (rotation equivariant)
     residual: bool = True
     vocab_size: int = 0  # 0 = from the data

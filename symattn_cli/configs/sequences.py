@@ -1,4 +1,4 @@
-"""Typed configs of the generated sequence tasks (``conf/data/{arithmetic,sort,reverse}.yaml``)."""
+"""Typed configs of the generated sequence tasks (conf/data: arithmetic, addition, sort, ...)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,19 @@ class SequenceDataConfig:
     num_train: int = 0
     num_val: int = 0
     num_test: int = 0
-    num_test_long: int = 0  # sort / reverse: 0 = num_test
+    num_test_long: int = 0  # sort / reverse / addition: 0 = num_test
+    num_test_longer: int = 0  # addition: 0 = num_test
     min_len: int = 4  # sort / reverse: training lengths drawn from [min_len, max_len]
     max_len: int = 8
-    test_min_len: int = 0  # test_long lengths; 0 = max_len + 1
-    test_max_len: int = 0  # 0 = max(test_min_len, 2 * max_len)
+    # test_long lengths; 0 = max_len + 1 (addition: max_digits + 1 digits)
+    test_min_len: int = 0
+    test_max_len: int = 0  # 0 = max(test_min_len, 2 * max_len) (addition: 3 * max_digits)
+    min_digits: int = 1  # addition: operand lengths drawn from [min_digits, max_digits]
+    max_digits: int = 10
+    test_longer_min_len: int = 0  # addition test_longer digits; 0 = test_max_len + 1
+    test_longer_max_len: int = 0  # 0 = 5 * max_digits
+    reverse_answer: bool = True  # addition: answer least significant digit first
+    decoding: str = "one_pass"  # addition: one_pass (all slots at once) | causal
     num_symbols: int = 10  # sort / reverse alphabet (digits 0..num_symbols-1)
     split_seed: int = 0
     arch: str = "sequence"

@@ -30,6 +30,12 @@ class DataSpec:
     pad_index: int = 0
     arch: str = ""  # architecture preset the data suggests: rotmnist | cifar10 | pcam | sequence
     tokens: tuple[str, ...] = ()  # token strings, index = id (sequence tasks)
+    # order of the answer digits at the slots: lsd (least significant first, also sort and
+    # reverse) | msd; coupled positions index answer digits by it
+    answer_order: str = "lsd"
+    # answer positions after the first hold the previous answer token (teacher forcing): a
+    # model must read them causally and decode greedily when evaluating
+    causal_answer: bool = False
 
 
 class DataError(UserError):

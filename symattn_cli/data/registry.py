@@ -16,6 +16,7 @@ DATASET_MODULES = {
     "cifar10": "symattn_cli.data.images",
     "pcam": "symattn_cli.data.images",
     "arithmetic": "symattn_cli.data.sequences",
+    "addition": "symattn_cli.data.sequences",
     "sort": "symattn_cli.data.sequences",
     "reverse": "symattn_cli.data.sequences",
 }

@@ -1,4 +1,4 @@
-"""Generated seq2seq tasks for knowledge attention: ``arithmetic``, ``sort``, ``reverse``.
+"""Generated seq2seq tasks for knowledge attention: arithmetic, addition, sort, reverse.
 
 Everything is generated from ``split_seed``; nothing is downloaded. Every item is
 ``(tokens, targets)``, both int64 (n,): the output has the input's length and the answer is
@@ -14,6 +14,17 @@ read at the ``_`` slots; ``targets`` is :data:`IGNORE_INDEX` everywhere else.
   in is fixed by a seeded hash of its content, so train, validation and test never share a
   sequence; ``test_long`` (lengths [test_min_len, test_max_len], longer than training)
   measures length generalisation.
+* ``addition``: ``a₁ … a_p + b₁ … b_q = _ … _`` with the operands written most significant
+  digit first (no leading zeros) and w = max(p, q) + 1 slots holding the digits of a + b,
+  least significant first (``reverse_answer=true``, default) or most significant first
+  (zero-padded to w). Operand lengths p, q are drawn independently from
+  [min_digits, max_digits] for train / validation / test (split by a seeded hash of the
+  expression, as for sort), from [test_min_len, test_max_len] (default 11–30) for
+  ``test_long`` and [test_longer_min_len, test_longer_max_len] (default 31–50) for
+  ``test_longer``: disjoint from training by their lengths. ``decoding=causal`` writes the
+  answer for teacher forcing: the first answer position holds ``_``, each later one the answer
+  digit before it (targets unchanged); the model must then read the answer causally
+  (``DataSpec.causal_answer``) and decode greedily at evaluation.
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ from symattn_cli.data.base import IGNORE_INDEX, DataBundle, DataError, DataSpec
 PAD, SLOT, EQUALS, PLUS, MINUS = "<pad>", "_", "=", "+", "-"
 DIGITS = tuple("0123456789")
 ARITHMETIC_TOKENS = (PAD, SLOT, EQUALS, PLUS, MINUS, *DIGITS)
+ADDITION_TOKENS = (PAD, SLOT, EQUALS, PLUS, *DIGITS)
 VARIANTS = ("two_digit", "single_digit")
+DECODINGS = ("one_pass", "causal")
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train / validation / test
 
 
@@ -132,6 +145,130 @@ def build_arithmetic(options: dict[str, Any]) -> DataBundle:
 
 
 # --------------------------------------------------------------------------------------------
+# addition
+# --------------------------------------------------------------------------------------------
+
+
+def addition_item(
+    a: str, b: str, *, reverse_answer: bool = True, causal: bool = False
+) -> tuple[list[int], list[int]]:
+    """Tokens and targets of ``a + b`` (decimal strings, most significant digit first).
+
+    The answer has w = max(len a, len b) + 1 digits (zero-padded), least significant first
+    when ``reverse_answer``. ``causal``: the answer positions hold ``_`` then answer digits
+    1 … w−1 (teacher forcing); otherwise w slots ``_``.
+    """
+    index = {tok: i for i, tok in enumerate(ADDITION_TOKENS)}
+    width = max(len(a), len(b)) + 1
+    answer = list(f"{int(a) + int(b):0{width}d}")
+    if reverse_answer:
+        answer.reverse()
+    prompt = [*a, PLUS, *b, EQUALS]
+    shown = [SLOT, *answer[:-1]] if causal else [SLOT] * width
+    tokens = [index[t] for t in prompt + shown]
+    targets = [IGNORE_INDEX] * len(prompt) + [index[t] for t in answer]
+    return tokens, targets
+
+
+def _number(rng, digits: int) -> str:
+    """A uniformly random decimal with exactly ``digits`` digits (0 allowed for one digit)."""
+    first = int(rng.integers(0 if digits == 1 else 1, 10))
+    rest = rng.integers(0, 10, size=digits - 1)
+    return str(first) + "".join(str(int(d)) for d in rest)
+
+
+def _draw_sums(rng, count, lengths, seed, lo, hi, what) -> list[tuple[str, str]]:
+    """``count`` operand pairs, each length from ``lengths``, whose hash bucket is in [lo, hi)."""
+    items, draws, limit = [], 0, 200 * count + 10_000
+    while len(items) < count:
+        draws += 1
+        if draws > limit:
+            raise DataError(
+                f"could not draw {count} {what} additions of {lengths[0]}..{lengths[1]} digits "
+                "that no other split contains; raise data.max_digits or lower the split sizes"
+            )
+        a = _number(rng, int(rng.integers(lengths[0], lengths[1] + 1)))
+        b = _number(rng, int(rng.integers(lengths[0], lengths[1] + 1)))
+        if lo <= _bucket(f"{a}+{b}".encode(), seed) < hi:
+            items.append((a, b))
+    return items
+
+
+def _length_range(options, low_key, high_key, default_low, default_high, what):
+    low = int(options.get(low_key) or 0) or default_low
+    high = int(options.get(high_key) or 0) or max(low, default_high)
+    if not 1 <= low <= high:
+        raise DataError(
+            f"data.{low_key}={low}, data.{high_key}={high}: {what} digit counts need "
+            f"1 <= {low_key} <= {high_key}"
+        )
+    return low, high
+
+
+def build_addition(options: dict[str, Any]) -> DataBundle:
+    decoding = options.get("decoding", "one_pass")
+    if decoding not in DECODINGS:
+        raise DataError(f"data.decoding={decoding!r} is unknown for addition; use {DECODINGS}")
+    train_len = _length_range(
+        options, "min_digits", "max_digits", 1, 10, "training (and validation, test)"
+    )
+    long_len = _length_range(
+        options, "test_min_len", "test_max_len", train_len[1] + 1, 3 * train_len[1], "test_long"
+    )
+    longer_len = _length_range(
+        options,
+        "test_longer_min_len",
+        "test_longer_max_len",
+        long_len[1] + 1,
+        5 * train_len[1],
+        "test_longer",
+    )
+    if long_len[0] <= train_len[1] or longer_len[0] <= train_len[1]:
+        raise DataError(
+            f"test_long ({long_len[0]}..{long_len[1]} digits) and test_longer "
+            f"({longer_len[0]}..{longer_len[1]}) must start above data.max_digits="
+            f"{train_len[1]}: raise data.test_min_len / data.test_longer_min_len"
+        )
+    counts = {k: int(options.get(k) or 0) for k in ("num_train", "num_val", "num_test")}
+    counts["num_test_long"] = int(options.get("num_test_long") or counts["num_test"])
+    counts["num_test_longer"] = int(options.get("num_test_longer") or counts["num_test"])
+    for key, value in counts.items():
+        if value < 1:
+            raise DataError(f"data.{key}={value} must be positive for addition")
+    seed = int(options.get("split_seed", 0))
+    rng = np.random.default_rng(seed)
+    edges = np.cumsum((0.0, *SPLIT_FRACTIONS))
+    whole = (0.0, 1.0)  # long splits: disjoint from training by their lengths
+    pairs = {
+        "train": _draw_sums(rng, counts["num_train"], train_len, seed, *edges[0:2], "train"),
+        "val": _draw_sums(rng, counts["num_val"], train_len, seed, *edges[1:3], "val"),
+        "test": _draw_sums(rng, counts["num_test"], train_len, seed, *edges[2:4], "test"),
+        "test_long": _draw_sums(rng, counts["num_test_long"], long_len, seed, *whole, "test_long"),
+        "test_longer": _draw_sums(
+            rng, counts["num_test_longer"], longer_len, seed, *whole, "test_longer"
+        ),
+    }
+    reverse_answer = bool(options.get("reverse_answer", True))
+    causal = decoding == "causal"
+    data = {
+        k: SequenceTask(
+            [addition_item(a, b, reverse_answer=reverse_answer, causal=causal) for a, b in v]
+        )
+        for k, v in pairs.items()
+    }
+    extra = {"test_long": data["test_long"], "test_longer": data["test_longer"]}
+    return _bundle(
+        data["train"],
+        data["val"],
+        data["test"],
+        extra,
+        ADDITION_TOKENS,
+        answer_order="lsd" if reverse_answer else "msd",
+        causal_answer=causal,
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # sort / reverse
 # --------------------------------------------------------------------------------------------
 
@@ -150,7 +287,7 @@ def ordering_item(symbols: Sequence[int], task: str) -> tuple[list[int], list[in
     return tokens, targets
 
 
-def _bucket(symbols: Sequence[int], seed: int) -> float:
+def _bucket(symbols: Sequence[int] | bytes, seed: int) -> float:
     """A seeded hash of the content in [0, 1): which split this sequence may belong to."""
     key = seed.to_bytes(8, "little", signed=True) + bytes(symbols)
     digest = hashlib.blake2b(key, digest_size=8).digest()
@@ -220,7 +357,9 @@ def build_ordering(task: str, options: dict[str, Any]) -> DataBundle:
     )
 
 
-def _bundle(train, val, test, extra, tokens) -> DataBundle:
+def _bundle(
+    train, val, test, extra, tokens, *, answer_order: str = "lsd", causal_answer: bool = False
+) -> DataBundle:
     max_len = max(s.max_len for s in (train, val, test, *extra.values()))
     spec = DataSpec(
         task="tokens",
@@ -230,6 +369,8 @@ def _bundle(train, val, test, extra, tokens) -> DataBundle:
         pad_index=0,
         arch="sequence",
         tokens=tuple(tokens),
+        answer_order=answer_order,
+        causal_answer=causal_answer,
     )
     return DataBundle(
         train=train, val=val, test=test, spec=spec, collate=PadCollate(0), extra_tests=extra
@@ -237,10 +378,14 @@ def _bundle(train, val, test, extra, tokens) -> DataBundle:
 
 
 def build(name: str, options: dict[str, Any], root: Path) -> DataBundle:
-    """Generate dataset ``name`` (``arithmetic`` | ``sort`` | ``reverse``); ``root`` is unused."""
+    """Generate dataset ``name`` (arithmetic, addition, sort, reverse); ``root`` is unused."""
     options = dict(options)
     if name == "arithmetic":
         return build_arithmetic(options)
+    if name == "addition":
+        return build_addition(options)
     if name in ("sort", "reverse"):
         return build_ordering(name, options)
-    raise DataError(f"dataset {name!r} is not a sequence task; use arithmetic, sort or reverse")
+    raise DataError(
+        f"dataset {name!r} is not a sequence task; use arithmetic, addition, sort or reverse"
+    )

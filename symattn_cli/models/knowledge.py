@@ -15,6 +15,22 @@ while rotating E alone changes the function (Ma & Ying Sec. 3.2: the target work
 embedding). :func:`transform_embedding` applies Q; :mod:`symattn_cli.verify.knowledge`
 measures both statements.
 
+Positions as knowledge (``position=coupled|abacus``): each token gets an index c_t from the
+token structure (:func:`coupled_index`): a digit's significance within its number (1 = units),
+shared by the operands and the answer (position coupling, Cho et al. 2024); 0 for operators.
+``coupled`` encodes c_t by sinusoids through the frame F (defined at every index);
+``abacus`` looks it up in a learned table through F (Abacus embeddings, McLeish et al.
+2024). In training, c_t + k is used with k drawn per sequence from [0, position_offset]
+(abacus by default, coupled when asked; 0 in evaluation), so that indices beyond the
+training lengths are seen too. Either way p_t = F(…)
+rotates with the embedding (F → QF) and the invariance above holds exactly.
+
+Causal answers (``DataSpec.causal_answer``): answer position t holds the answer token before
+it (teacher forcing in training); a prompt token reads the prompt only, an answer token the
+prompt and the answer up to itself. Evaluation decodes greedily: the answer inputs are the
+model's own predictions, iterated to the fixed point (exactly greedy decoding; see
+:meth:`KnowledgeSeq2Seq.forward`).
+
 This module is the config boundary of the family: names (``form``, ``activation``,
 ``position``) are resolved here into the callables the layers take.
 """
@@ -23,6 +39,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,6 +52,8 @@ from symattn_cli.nn.knowledge import (
     Coefficients,
     ElementwiseNormalizer,
     GeneralCoefficients,
+    IndexSinusoidPosition,
+    IndexTablePosition,
     InnerProductScore,
     KnowledgeAttention,
     KnowledgeBlock,
@@ -69,8 +89,11 @@ FORMS = {
     "general": "softmax",  # X g₁ + Z g₂ of Prop. 3.2 (networks of XᵀX, ZᵀX, ZᵀZ)
     "perm": "softmax",  # ρ/ψ form of Prop. 4.1
 }
-POSITIONS = ("footnote", "sinusoidal", "learned", "none")
+POSITIONS = ("footnote", "sinusoidal", "learned", "coupled", "abacus", "none")
+INDEXED_POSITIONS = ("coupled", "abacus")  # index c_t from the token structure
+CAUSAL_FORMS = ("softmax", "sigmoid", "kernel", "rbf")  # g reads each query's keys only
 NORMALIZERS = ("softmax", *ACTIVATIONS)
+DIGITS = tuple("0123456789")
 
 
 def _choice(kind: str, value: Any, options) -> Any:
@@ -79,11 +102,51 @@ def _choice(kind: str, value: Any, options) -> Any:
     return value
 
 
+def coupled_index(
+    tokens: torch.Tensor, *, digits: torch.Tensor, slot: int, pad: int, answer_order: str
+) -> torch.Tensor:
+    """c (B, n) int64: each token's coupled position, from the token structure alone.
+
+    The answer runs from the first ``slot`` token to the last real token; there c_t counts
+    from its first token (``answer_order="lsd"``: least significant digit first) or from its
+    last (``"msd"``), starting at 1. Before it, a digit (``digits`` (V,) bool marks digit ids)
+    gets its significance in its run of digits, 1 for the run's last digit (units of a number
+    written most significant first); every other token 0. For sort and reverse
+    (``s₁ … s_m = _ … _``) this couples answer slot t with input symbol m + 1 − t.
+    """
+    bsz, n = tokens.shape
+    pos = torch.arange(n, device=tokens.device).expand(bsz, n)  # (B, n)
+    real = tokens != pad  # (B, n)
+    is_digit = digits.to(tokens.device)[tokens]  # (B, n)
+    first_slot = torch.where(tokens == slot, pos, n).amin(-1, keepdim=True)  # (B, 1)
+    answer = (pos >= first_slot) & real  # (B, n)
+    if answer_order == "lsd":
+        answer_index = pos - first_slot + 1  # (B, n)
+    else:
+        answer_index = real.sum(-1, keepdim=True) - pos  # (B, n): padding only at the end
+    stops = torch.where(is_digit & ~answer, n, pos)  # (B, n): where digit runs end
+    next_stop = stops.flip(-1).cummin(-1).values.flip(-1)  # (B, n): first stop at or after t
+    digit_index = torch.where(is_digit & ~answer, next_stop - pos, 0)  # (B, n)
+    return torch.where(answer, answer_index, digit_index)
+
+
+@dataclass
+class Layout:
+    """What the tokens fix for one forward pass (B batch, n tokens)."""
+
+    real: torch.Tensor  # (B, n) True at real tokens
+    attend: torch.Tensor  # (B, n), or (B, n, n) True where query j reads key i (causal)
+    lengths: torch.Tensor  # (B,) real tokens per sequence
+    index: torch.Tensor | None  # (B, n) coupled index of an indexed position, else None
+    answer: torch.Tensor | None  # (B, n) True in the answer (indexed or causal), else None
+
+
 class KnowledgeSeq2Seq(nn.Module):
     """Token embedding E → knowledge-attention blocks → tied read-out Eᵀ (see module doc).
 
     ``forward(tokens (B, n)) -> logits (B, n, V)``; tokens equal to ``pad_index`` are masked
-    as keys and excluded from the position encoding's length.
+    as keys and excluded from the position encoding's length. ``position_shift`` adds a
+    constant to an indexed position (the non-degeneracy check: the output must change).
     """
 
     embedding_axes = {"embedding": (0,), "out_bias": ()}
@@ -97,6 +160,10 @@ class KnowledgeSeq2Seq(nn.Module):
         blocks: list[KnowledgeBlock],
         position: nn.Module | None,
         final_norm: nn.Module,
+        indexer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        position_offset: int = 0,
+        causal: bool = False,
+        slot_index: int = 1,
     ) -> None:
         super().__init__()
         self.pad_index = pad_index
@@ -106,22 +173,73 @@ class KnowledgeSeq2Seq(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = final_norm
         self.readout_scale = 1.0 / math.sqrt(d_model)
+        self.indexer = indexer  # tokens -> coupled index (B, n), for indexed positions
+        self.position_offset = position_offset  # random training offset k ∈ [0, offset]
+        self.causal = causal
+        self.slot_index = slot_index
 
-    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = tokens != self.pad_index  # (B, n)
+    def layout(self, tokens: torch.Tensor, position_shift: int = 0) -> Layout:
+        real = tokens != self.pad_index  # (B, n)
+        index = answer = None
+        if self.indexer is not None or self.causal:
+            n = tokens.shape[1]
+            pos = torch.arange(n, device=tokens.device).expand_as(tokens)  # (B, n)
+            first = torch.where(tokens == self.slot_index, pos, n).amin(-1, keepdim=True)
+            answer = (pos >= first) & real  # (B, n)
+        if self.indexer is not None:
+            index = self.indexer(tokens)  # (B, n)
+            if self.training and self.position_offset > 0:
+                offset = torch.randint(
+                    0, self.position_offset + 1, (tokens.shape[0], 1), device=tokens.device
+                )  # (B, 1): one k per sequence keeps the coupling
+                index = index + offset * (index > 0)
+            if position_shift:
+                index = index + position_shift * (index > 0)
+        attend = real
+        if self.causal:
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            earlier = pos[None, :, None] >= pos[None, None, :]  # (1, n_j, n_i): i ≤ j
+            prompt = real & ~answer  # (B, n)
+            attend = prompt[:, None, :] | (answer[:, :, None] & answer[:, None, :] & earlier)
+        return Layout(real, attend, real.sum(-1), index, answer)
+
+    def logits(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """One pass: (B, n) tokens under ``layout`` → logits (B, n, V)."""
         x = self.embedding.t()[tokens]  # (B, n, d): columns E[:, token] as rows
-        if self.position is not None:
-            lengths = mask.sum(-1)  # (B,)
-            x = x + self.position(lengths, tokens.shape[1])  # (B, n, d)
-        return x, mask
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x, mask = self.embed(tokens)
+        if layout.index is not None:
+            x = x + self.position(layout.index)  # (B, n, d)
+        elif self.position is not None:
+            x = x + self.position(layout.lengths, tokens.shape[1])  # (B, n, d)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, layout.attend)
         h = self.final_norm(x)  # (B, n, d)
         logits = torch.einsum("bnd,dV->bnV", h, self.embedding) * self.readout_scale
         return logits + self.out_bias  # (B, n, V)
+
+    def forward(self, tokens: torch.Tensor, *, position_shift: int = 0) -> torch.Tensor:
+        """Logits (B, n, V). Causal answers in evaluation: greedy decoding.
+
+        Greedy decoding reads each answer input from the prediction one position earlier,
+        never from ``tokens``. Iterating "inputs ← predictions shifted by one" from blank
+        inputs reaches the greedy answer: the first answer position's input is fixed, so its
+        prediction is final after one pass, the next after two, …, and any fixed point is the
+        greedy answer. The loop stops at the fixed point (at most answer-length + 1 passes)
+        and returns its logits, those of the greedy prefixes.
+        """
+        layout = self.layout(tokens, position_shift)
+        if not self.causal or self.training:
+            return self.logits(tokens, layout)
+        follows = torch.zeros_like(layout.answer)  # (B, n): answer inputs read from t − 1
+        follows[:, 1:] = layout.answer[:, 1:] & layout.answer[:, :-1]
+        inputs = torch.where(follows, self.slot_index, tokens)  # (B, n): blank answers
+        for _ in range(int(layout.answer.sum(-1).max()) + 1):
+            logits = self.logits(inputs, layout)
+            shifted = torch.roll(logits.argmax(-1), 1, dims=1)  # (B, n): prediction at t − 1
+            fed = torch.where(follows, shifted, inputs)
+            if torch.equal(fed, inputs):
+                break
+            inputs = fed
+        return logits
 
 
 def transform_embedding(
@@ -215,13 +333,21 @@ def build_model(
     position: str = "footnote",
     position_base: float = 10000.0,
     position_scale: float = 1.0,
+    position_offset: int = -1,
     norm: bool = True,
     residual: bool = True,
+    tokens: tuple[str, ...] = (),
+    answer_order: str = "lsd",
+    causal: bool = False,
 ) -> KnowledgeSeq2Seq:
     """Build a :class:`KnowledgeSeq2Seq` from keyword arguments (names resolved here).
 
     ``knowledge=0`` means 2·d/h (Z_i = [W_Qᵀ, W_Kᵀ] of a standard head); ``value_dim=0``
-    means d/h; ``mlp_hidden=0`` drops the position-wise MLPs.
+    means d/h; ``mlp_hidden=0`` drops the position-wise MLPs. ``position=coupled|abacus``
+    need the token strings (``tokens``: digits "0"–"9" and the slot "_") and the answer's
+    digit order; ``position_offset`` is the largest random training offset of an indexed
+    position (-1: abacus max_len // 2, coupled none); the abacus table has
+    max_len + offset + 1 rows. ``causal``: causal answers.
     """
     if d_model < 1 or heads < 1 or layers < 0:
         raise ConfigError(
@@ -265,6 +391,36 @@ def build_model(
                 residual=residual,
             )
         )
+    if causal and form not in CAUSAL_FORMS:
+        raise ConfigError(
+            f"model.form={form!r} sums over all tokens, so it cannot read causal answers "
+            f"(data.decoding=causal); use one of {CAUSAL_FORMS} or data.decoding=one_pass"
+        )
+    indexer, slot_index = None, tokens.index("_") if "_" in tokens else 1
+    if position in INDEXED_POSITIONS:
+        if "_" not in tokens or not any(t in DIGITS for t in tokens):
+            raise ConfigError(
+                f"model.position={position} indexes digits and answer slots, but the data's "
+                f"tokens {tokens} have no digits or no '_': use a sequence task (addition, "
+                "arithmetic, sort, reverse) or another position"
+            )
+        if answer_order not in ("lsd", "msd"):
+            raise ConfigError(f"answer_order={answer_order!r} is unknown; use lsd or msd")
+        indexer = partial(
+            coupled_index,
+            digits=torch.tensor([t in DIGITS for t in tokens]),
+            slot=slot_index,
+            pad=pad_index,
+            answer_order=answer_order,
+        )
+    if position_offset < -1:
+        raise ConfigError(
+            f"model.position_offset={position_offset} must be >= 0 (or -1: the position's own)"
+        )
+    if position not in INDEXED_POSITIONS:
+        position_offset = 0
+    elif position_offset == -1:  # abacus: max_len // 2; coupled: none
+        position_offset = max(1, max_len // 2) if position == "abacus" else 0
     width = d_model - d_model % 2
     if position == "footnote":
         pos: nn.Module | None = SinusoidPosition(
@@ -278,6 +434,19 @@ def build_model(
         if max_len < 1:
             raise ConfigError("position=learned needs the data's max_len (got 0)")
         pos = LearnedPosition(d_model=d_model, max_len=max_len, init_scale=position_scale)
+    elif position == "coupled":
+        pos = IndexSinusoidPosition(
+            d_model=d_model, width=width, base=position_base, init_scale=position_scale
+        )
+    elif position == "abacus":
+        if max_len < 1:
+            raise ConfigError("position=abacus needs the data's max_len (got 0)")
+        pos = IndexTablePosition(
+            d_model=d_model,
+            width=width,
+            rows=max_len + position_offset + 1,
+            init_scale=position_scale,
+        )
     else:
         pos = None
     return KnowledgeSeq2Seq(
@@ -287,6 +456,10 @@ def build_model(
         blocks=blocks,
         position=pos,
         final_norm=ScalarRMSNorm() if norm else nn.Identity(),
+        indexer=indexer,
+        position_offset=position_offset,
+        causal=causal,
+        slot_index=slot_index,
     )
 
 
@@ -308,6 +481,7 @@ _BUILD_KEYS = (
     "position",
     "position_base",
     "position_scale",
+    "position_offset",
     "norm",
     "residual",
 )
@@ -318,7 +492,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> KnowledgeSeq2Seq:
     if spec.task != "tokens":
         raise ConfigError(
             f"knowledge-attention models need a token (sequence) dataset; the data's task is "
-            f"{spec.task!r}: use data=arithmetic, data=sort or data=reverse"
+            f"{spec.task!r}: use data=arithmetic, data=addition, data=sort or data=reverse"
         )
     unknown = sorted(set(options) - set(_BUILD_KEYS) - {"vocab_size", "max_len"})
     if unknown:
@@ -328,6 +502,9 @@ def build(options: dict[str, Any], spec: DataSpec) -> KnowledgeSeq2Seq:
         vocab_size=options.get("vocab_size") or spec.vocab_size or spec.num_classes,
         pad_index=spec.pad_index,
         max_len=options.get("max_len") or spec.max_len,
+        tokens=spec.tokens,
+        answer_order=spec.answer_order,
+        causal=spec.causal_answer,
         **kwargs,
     )
 

@@ -161,7 +161,8 @@ class Invariants:
     """The O(d)-invariant inputs of g for one call (Prop. 3.2): ZᵀX and, when asked, XᵀX, ZᵀZ.
 
     ``zx`` (B, h, n, k): y = Z_iᵀ X per head, in rows; ``xx`` (B, n, n); ``zz`` (B, h, k, k);
-    ``mask`` (B, n) True at real (non-padded) tokens.
+    ``mask`` (B, n) True at real (non-padded) tokens, or (B, n, n) True where query j may read
+    key i (causal decoding; the normalised score forms only, see :func:`broadcast_mask`).
     """
 
     def __init__(self, zx, mask, xx=None, zz=None) -> None:
@@ -255,7 +256,7 @@ class QuarticScore(QuadraticScore):
 
     def forward(self, inv: Invariants) -> torch.Tensor:
         y = inv.zx
-        maskf = inv.mask.to(y.dtype)  # (B, n)
+        maskf = token_mask(inv.mask, "the quartic form's moment").to(y.dtype)  # (B, n)
         count = maskf.sum(-1).clamp_min(1)[:, None, None, None]  # (B, 1, 1, 1)
         moment = torch.einsum("bhtk,bhtl,bt->bhkl", y, y, maskf) / count  # (B, h, k, k)
         middle = torch.einsum("hkl,bhlm,hmo->bhko", self.left4, moment, self.right4)  # (B,h,k,k)
@@ -264,11 +265,29 @@ class QuarticScore(QuadraticScore):
         return super().forward(inv) + self.scale * self.scale * quartic
 
 
+def broadcast_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask broadcast against scores (B, h, n, keys): (B, 1, 1, keys) or (B, 1, n, keys).
+
+    A (B, n) mask marks real keys; a (B, n, keys) mask says, per query, which keys it reads.
+    """
+    return mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
+
+
+def token_mask(mask: torch.Tensor, what: str) -> torch.Tensor:
+    """The (B, n) real-token mask of forms that sum over tokens; a per-query mask is refused."""
+    if mask.dim() != 2:
+        raise ValueError(
+            f"{what} sums over all tokens, so it cannot read them causally (a (B, n, n) mask); "
+            "use the softmax, sigmoid, kernel or rbf form for causal decoding"
+        )
+    return mask
+
+
 class SoftmaxNormalizer(nn.Module):
     """a_ji = softmax over real keys i of s_ji (the paper's S_r, transposed into ``a``)."""
 
-    def forward(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        keep = key_mask[:, None, None, :]  # (B, 1, 1, keys)
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = broadcast_mask(mask)  # (B, 1, 1 or n, keys)
         scores = scores.masked_fill(~keep, float("-inf"))
         return torch.softmax(scores, dim=-1)
 
@@ -285,8 +304,8 @@ class ElementwiseNormalizer(nn.Module):
         self.activation = activation
         self.mean = mean
 
-    def forward(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        keep = key_mask[:, None, None, :].to(scores.dtype)  # (B, 1, 1, keys)
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = broadcast_mask(mask).to(scores.dtype)  # (B, 1, 1 or n, keys)
         weights = self.activation(scores) * keep
         if self.mean:
             weights = weights / keep.sum(-1, keepdim=True).clamp_min(1)
@@ -370,8 +389,9 @@ class GeneralCoefficients(nn.Module):
         scores = self.net(
             pair, query_proj[:, :, :, None, :], key_proj[:, :, None, :, :], flag
         ).squeeze(-1)  # (B, h, n, n+k)
-        key_mask = torch.cat([inv.mask, inv.mask.new_ones(bsz, k)], dim=1)  # (B, n+k)
-        return self.normalizer(scores, key_mask)
+        mask = token_mask(inv.mask, "the general form")
+        keys = torch.cat([mask, mask.new_ones(bsz, k)], dim=1)  # (B, n+k)
+        return self.normalizer(scores, keys)
 
 
 class PermutationCoefficients(nn.Module):
@@ -427,7 +447,7 @@ class PermutationCoefficients(nn.Module):
         )
 
     def forward(self, inv: Invariants) -> torch.Tensor:
-        y, mask = inv.zx, inv.mask  # (B, h, n, k), (B, n)
+        y, mask = inv.zx, token_mask(inv.mask, "the Prop. 4.1 form")  # (B, h, n, k), (B, n)
         n = y.shape[2]
         eye = torch.eye(n, dtype=torch.bool, device=y.device)
         y_k = y[:, :, :, None, None, :]  # (B, h, n_k, 1, 1, k)
@@ -504,7 +524,8 @@ class KnowledgeAttention(nn.Module):
         mask: torch.Tensor | None = None,
         knowledge: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` (B, n, d) rows; ``mask`` (B, n) True at real tokens; ``knowledge`` (B, m, d)."""
+        """``x`` (B, n, d) rows; ``mask`` (B, n) True at real tokens, or (B, n, n) True where
+        query j reads key i (causal decoding); ``knowledge`` (B, m, d)."""
         bsz, n, _ = x.shape
         if mask is None:
             mask = torch.ones(bsz, n, dtype=torch.bool, device=x.device)
@@ -688,3 +709,62 @@ class LearnedPosition(nn.Module):
         pos = torch.arange(n, device=lengths.device)  # (n,)
         inside = (pos[None, :] < lengths[:, None]).to(self.table.dtype)  # (B, n)
         return self.table[:n][None] * inside[..., None]  # (B, n, d)
+
+
+def index_sinusoids(index: torch.Tensor, width: int, base: float) -> torch.Tensor:
+    """S (B, n, width): S_{t, 2i} = sin(c_t / base^{2i/w}), S_{t, 2i+1} = cos(…) of a per-token
+    index c_t ≥ 1 (``index`` (B, n) int); rows with c_t = 0 (no position) are zero."""
+    if width % 2:
+        raise ValueError(f"the sinusoid width {width} must be even (sin/cos pairs)")
+    half = torch.arange(width // 2, dtype=torch.float64, device=index.device)  # (w/2,)
+    inv_freq = torch.exp(-(2 * half / width) * math.log(base))  # (w/2,)
+    angle = index.to(torch.float64)[..., None] * inv_freq  # (B, n, w/2)
+    table = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (B, n, w)
+    return table * (index > 0)[..., None]
+
+
+class IndexSinusoidPosition(nn.Module):
+    """p_t = F s(c_t): sinusoids of a per-token index c_t (e.g. a coupled position) seen through
+    a learned frame F (d × w); p_t = 0 where c_t = 0. Defined at every index.
+
+    Law: knowledge, P → QP is F → QF (the index is a function of the tokens, not of X).
+    """
+
+    embedding_axes = {"frame": (0,)}
+
+    def __init__(self, *, d_model: int, width: int, base: float, init_scale: float = 1.0):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"position width {width} must be even (sin/cos pairs)")
+        self.frame = nn.Parameter(torch.eye(d_model, width) * init_scale)
+        self.width, self.base = width, base
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        table = index_sinusoids(index, self.width, self.base).to(self.frame.dtype)  # (B, n, w)
+        return torch.einsum("bnw,dw->bnd", table, self.frame)  # (B, n, d)
+
+
+class IndexTablePosition(nn.Module):
+    """p_t = F T[c_t]: a learned table T (rows × w) of per-token indices c_t (Abacus-style,
+    McLeish et al. 2024) seen through a learned frame F (d × w); p_t = 0 where c_t = 0.
+
+    Law: knowledge, P → QP is F → QF; T holds coordinates in the frame (invariant). Covers
+    indices < rows only.
+    """
+
+    embedding_axes = {"frame": (0,), "table": ()}
+
+    def __init__(self, *, d_model: int, width: int, rows: int, init_scale: float = 1.0):
+        super().__init__()
+        self.frame = nn.Parameter(torch.eye(d_model, width) * init_scale)
+        self.table = nn.Parameter(torch.randn(rows, width))  # entries of E's size
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        rows = self.table.shape[0]
+        if int(index.max()) >= rows:
+            raise ValueError(
+                f"position index {int(index.max())} exceeds the table's {rows} rows; build the "
+                "model for the longest data (its max_len) or lower model.position_offset"
+            )
+        table = self.table[index] * (index > 0)[..., None].to(self.table.dtype)  # (B, n, w)
+        return torch.einsum("bnw,dw->bnd", table, self.frame)  # (B, n, d)

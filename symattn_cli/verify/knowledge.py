@@ -17,7 +17,11 @@ exactness claims, where they sit at 1e-15 … 1e-13). What is checked:
   reproduce softmax attention (after the correction described at :func:`remark41_errors`);
 * the paper's Sec. 3.2 counter-example: the arithmetic target in a fixed embedding is not
   orthogonal equivariant (swapping e₊ and e₋ turns "2 + 1" into "2 − 1");
-* embedding transfer on a trained model (:func:`embedding_transfer`).
+* embedding transfer on a trained model (:func:`embedding_transfer`);
+* positions as knowledge (``position=coupled|abacus``, on addition): the same orthogonal
+  invariance, the non-degeneracy check that the logits change when every position index
+  moves (:func:`position_shift_change`), and for causal answers that no logit reads a later
+  answer token (:func:`causal_leak`).
 """
 
 from __future__ import annotations
@@ -308,6 +312,59 @@ def model_permutation_error(
 
     with torch.no_grad():
         return permutation_error(fn, onehot, convention=convention, samples=samples, seed=seed)
+
+
+def addition_example(*, causal: bool = False, reverse_answer: bool = True):
+    """Six fixed additions (1–12 digits, padded batch) and their :class:`DataSpec`: tokens
+    (6, n) with digits, '+', '=' and answer positions, for the indexed-position checks."""
+    from symattn_cli.data.sequences import build
+
+    options = {
+        "num_train": 6,
+        "num_val": 6,
+        "num_test": 6,
+        "max_digits": 4,
+        "test_min_len": 5,
+        "test_max_len": 12,
+        "decoding": "causal" if causal else "one_pass",
+        "reverse_answer": reverse_answer,
+    }
+    bundle = build("addition", options, None)
+    items = [bundle.test[i] for i in range(3)] + [
+        bundle.extra_tests["test_long"][i] for i in range(3)
+    ]
+    tokens, _ = bundle.collate(items)  # (6, n)
+    return tokens, bundle.spec
+
+
+def position_shift_change(model: nn.Module, tokens: torch.Tensor, *, shift: int = 1) -> float:
+    """Non-degeneracy of an indexed position: ‖logits(c + shift) − logits(c)‖ / ‖logits(c)‖,
+    every non-zero position index c moved by ``shift`` (must be large: the model sees its
+    positions). Evaluation mode, no random offset."""
+    model = model.eval()
+    with torch.no_grad():
+        return relative_error(model(tokens, position_shift=shift), model(tokens))
+
+
+def causal_leak(model: nn.Module, tokens: torch.Tensor) -> float:
+    """Causal answers: the largest change of the logits at positions ≤ t when every answer
+    token after t is replaced (t = the second answer position of each sequence), one
+    teacher-forced pass. Must be 0: no position reads a later answer token."""
+    model = model.eval()
+    with torch.no_grad():
+        layout = model.layout(tokens)
+        n = tokens.shape[1]
+        pos = torch.arange(n)[None, :]  # (1, n)
+        start = torch.where(layout.answer, pos, n).amin(-1, keepdim=True)  # (B, 1)
+        later = layout.answer & (pos > start + 1)  # (B, n)
+        vocab = model.embedding.shape[1]
+        other = (tokens + 1 - model.pad_index) % (vocab - 1) + model.pad_index + 1  # ≠ token
+        other = torch.where(other >= vocab, other - vocab + 1, other)  # (B, n), never pad
+        changed = torch.where(later, other, tokens)  # (B, n)
+        ref = model.logits(tokens, layout)  # (B, n, V)
+        out = model.logits(changed, layout)  # (B, n, V)
+        keep = ~later & layout.real  # (B, n)
+        return relative_error(out[keep], ref[keep])
 
 
 def _predict(model, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

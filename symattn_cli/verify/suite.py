@@ -7,8 +7,10 @@ Families:
                  a negative control.
   ``attention``  GSA-Nets Props. 4.1-4.3 for plain global self-attention.
   ``knowledge``  Ma & Ying: orthogonal equivariance with knowledge for every g form, the
-                 permutation laws in both conventions, the attention identities; negative
-                 controls (embedding rotated alone, position encoding added).
+                 permutation laws in both conventions, the attention identities; coupled and
+                 abacus positions (one pass and causal answers) with their non-degeneracy
+                 and causality checks; negative controls (embedding rotated alone,
+                 position encoding added, position indices moved).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def knowledge_checks(*, dtype: str, seed: int) -> list[Check]:
             encoded = kv.model_permutation_error(model(form, "footnote"), tokens,
                                                  convention=convention, seed=seed)  # fmt: skip
             add("permutation", f"ka_{form} model + position", element, encoded, "violation")
+    rows += indexed_position_checks(dtype=dtype, seed=seed)
     add("identity", "multi-head attention", "Z=[W_Qᵀ,W_Kᵀ], A=[[0,I],[0,0]]",
         kv.attention_identity_error(seed=seed), "exact", "vs torch MultiheadAttention")  # fmt: skip
     remark = kv.remark41_errors(seed=seed)
@@ -145,6 +148,44 @@ def knowledge_checks(*, dtype: str, seed: int) -> list[Check]:
         "misses the self term of the denominator")  # fmt: skip
     add("O(d)", "fixed one-hot embedding", "swap e₊, e₋ (Sec. 3.2)",
         kv.fixed_embedding_violation(), "violation", "share of '2 + 1' targets broken")  # fmt: skip
+    return rows
+
+
+def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
+    """Coupled and abacus positions on addition, one pass and causal answers: O(d)
+    invariance with knowledge, its negative control, non-degeneracy (positions moved) and,
+    for causal answers, that no logit reads a later answer token."""
+    import torch
+
+    from symattn_cli.models.knowledge import build as build_ka
+    from symattn_cli.verify import knowledge as kv
+
+    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    rows: list[Check] = []
+
+    def add(symmetry, layer, element, error, expect, note=""):
+        rows.append(Check("knowledge", symmetry, layer, element, error, error, expect, dtype,
+                          note=note))  # fmt: skip
+
+    for position in ("coupled", "abacus"):
+        for causal in (False, True):
+            example, spec = kv.addition_example(causal=causal)
+            torch.manual_seed(seed)
+            options = {"form": "softmax", "position": position, "d_model": 8, "heads": 2,
+                       "layers": 2, "knowledge": 6, "mlp_hidden": 16}  # fmt: skip
+            indexed = build_ka(options, spec).to(torch_dtype).eval()
+            layer = f"ka_softmax + {position}" + (", causal" if causal else "") + " (addition)"
+            errors = kv.model_orthogonal_errors(indexed, example, seed=seed)
+            add("O(d)", layer, "(E,Z,W,F)→(QE,QZ,QWQᵀ,QF), 4 Haar Q",
+                errors["with_knowledge"], "exact", "logits invariant")  # fmt: skip
+            add("O(d)", layer, "E→QE alone", errors["embedding_only"], "violation")
+            add("positions", layer, "c→c+1 (non-degeneracy)",
+                kv.position_shift_change(indexed, example), "violation",
+                "the logits see the positions")  # fmt: skip
+            if causal:
+                leak = kv.causal_leak(indexed, example)
+                add("causality", layer, "later answer tokens replaced", leak, "exact",
+                    "earlier logits unchanged")  # fmt: skip
     return rows
 
 

@@ -259,3 +259,19 @@ def test_profile_names_where_the_run_spends_its_time(workdir):
     kernel = rows["attention kernel forward"] + rows["attention kernel backward"]
     assert kernel > 0 or not gsa_cpp.enabled()
     assert rows["1x1 projections (convolutions)"] > 0 and rows["optimizer"] > 0
+
+
+def test_addition_recipe_end_to_end_with_a_tiny_budget(workdir):
+    run = workdir / "add"
+    result = run_symattn(
+        "train", "experiment=ka_addition", "data.num_train=64", "data.num_val=16",
+        "data.num_test=16", "data.max_digits=3", "model.d_model=8", "model.heads=2",
+        "model.layers=1", "model.mlp_hidden=16", "trainer.epochs=1",
+        "trainer.max_steps_per_epoch=2", "trainer.batch_size=32", "trainer.progress=plain",
+        "logger.mode=disabled", f"hydra.run.dir={run}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = read_summary(run / "run.h5")
+    for split in ("test", "test_long", "test_longer"):
+        assert 0.0 <= summary[f"{split}_exact"] <= summary[f"{split}_acc"] <= 1.0
+    assert "test_longer_exact" in result.stdout

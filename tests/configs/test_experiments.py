@@ -195,3 +195,14 @@ def test_models_and_data_bring_their_trainer_and_presets_and_the_command_line_wi
     assert (mixed.batch_size, mixed.lr, mixed.grad_clip) == (8, 1e-3, 1.0)
     mixed = compose_train("experiment=gsa_rotmnist", "model=ka_softmax", "trainer.batch_size=5")
     assert mixed.trainer.batch_size == 5
+
+
+def test_addition_recipe_composes_positions_as_knowledge_and_causal_answers():
+    cfg = compose_train("experiment=ka_addition")
+    assert (cfg.model.family, cfg.model.form, cfg.model.position) == ("ka", "softmax", "abacus")
+    assert cfg.model.position_offset == 64
+    assert (cfg.data.name, cfg.data.decoding, cfg.data.max_digits) == ("addition", "causal", 10)
+    assert cfg.data.reverse_answer is True
+    assert cfg.trainer.batch_size == 64 and cfg.trainer.epochs == 8
+    other = compose_train("experiment=ka_addition", "model.position=coupled", "data.max_digits=5")
+    assert other.model.position == "coupled" and other.data.max_digits == 5

@@ -98,3 +98,64 @@ def test_bad_arithmetic_options():
             {"variant": "single_digit", "num_train": 500, "num_val": 1, "num_test": 1},
             None,
         )
+
+
+ADDITION = {"num_train": 300, "num_val": 50, "num_test": 50, "max_digits": 6}
+
+
+def _addition_text(tokens, targets):
+    from symattn_cli.data.sequences import ADDITION_TOKENS
+
+    text = "".join(ADDITION_TOKENS[t] for t in tokens.tolist())
+    prompt = text[: text.index("=")]
+    a, b = prompt.split("+")
+    answer = "".join(ADDITION_TOKENS[t] for t in _answer_tokens(targets))
+    return a, b, text[len(prompt) + 1 :], answer
+
+
+@pytest.mark.parametrize("reverse_answer", [True, False])
+def test_addition_answers_lengths_and_disjoint_splits(reverse_answer):
+    bundle = build("addition", {**ADDITION, "reverse_answer": reverse_answer}, None)
+    splits = {"train": bundle.train, "val": bundle.val, "test": bundle.test}
+    splits.update(bundle.extra_tests)
+    assert set(bundle.extra_tests) == {"test_long", "test_longer"}
+    digits = {"train": (1, 6), "val": (1, 6), "test": (1, 6)}
+    digits.update({"test_long": (7, 18), "test_longer": (19, 30)})  # 3x and 5x max_digits
+    for name, split in splits.items():
+        seen = set()
+        for tokens, targets in split:
+            a, b, shown, answer = _addition_text(tokens, targets)
+            lo, hi = digits[name]
+            assert lo <= len(a) <= hi and lo <= len(b) <= hi, (name, a, b)
+            assert a == str(int(a)) and b == str(int(b))  # no leading zeros
+            width = max(len(a), len(b)) + 1
+            want = f"{int(a) + int(b):0{width}d}"
+            assert answer == (want[::-1] if reverse_answer else want)
+            assert shown == "_" * width  # one pass: every answer position is a slot
+            seen |= {len(a), len(b)}
+        assert max(seen) == digits[name][1] and min(seen) == digits[name][0], name
+    keys = [_keys(s) for s in (bundle.train, bundle.val, bundle.test)]
+    assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+    spec = bundle.spec
+    assert spec.answer_order == ("lsd" if reverse_answer else "msd") and not spec.causal_answer
+    assert spec.max_len == max(len(t) for t, _ in bundle.extra_tests["test_longer"])
+
+
+def test_addition_causal_answers_hold_the_previous_digit():
+    bundle = build("addition", {**ADDITION, "decoding": "causal"}, None)
+    assert bundle.spec.causal_answer
+    for tokens, targets in list(bundle.train)[:50]:
+        _, _, shown, answer = _addition_text(tokens, targets)
+        assert shown == "_" + answer[:-1]  # teacher forcing: the answer shifted by one
+
+
+def test_addition_is_deterministic_and_checks_its_options():
+    assert _keys(build("addition", ADDITION, None).test) == _keys(
+        build("addition", ADDITION, None).test
+    )
+    with pytest.raises(DataError, match="decoding='beam'"):
+        build("addition", {**ADDITION, "decoding": "beam"}, None)
+    with pytest.raises(DataError, match="must start above data.max_digits=6"):
+        build("addition", {**ADDITION, "test_min_len": 5}, None)
+    with pytest.raises(DataError, match="min_digits=7"):
+        build("addition", {**ADDITION, "min_digits": 7}, None)

@@ -83,3 +83,94 @@ def test_yaml_models_build(name):
     model = create_model(name)
     out = model(tokens(n=10))
     assert out.shape == (3, 10, 15) and torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Positions as knowledge (coupled, abacus) and causal answers
+# --------------------------------------------------------------------------------------------
+
+
+def addition_model(position: str, *, causal: bool = False, form: str = "softmax", **extra):
+    from symattn_cli.verify.knowledge import addition_example
+
+    example, spec = addition_example(causal=causal)
+    torch.manual_seed(0)
+    model = build({"form": form, "position": position, **SMALL, **extra}, spec).double()
+    return model.eval(), example, spec
+
+
+def test_coupled_index_is_significance_shared_by_operands_and_answer():
+    from symattn_cli.data.sequences import ADDITION_TOKENS, addition_item
+    from symattn_cli.models.knowledge import coupled_index
+
+    digits = torch.tensor([t.isdigit() for t in ADDITION_TOKENS])
+    items = [addition_item("473", "5", reverse_answer=r) for r in (True, False)]
+    tokens = torch.tensor([items[0][0], items[1][0]])  # "4 7 3 + 5 = _ _ _ _"
+    lsd = coupled_index(tokens[:1], digits=digits, slot=1, pad=0, answer_order="lsd")
+    msd = coupled_index(tokens[1:], digits=digits, slot=1, pad=0, answer_order="msd")
+    assert lsd[0].tolist() == [3, 2, 1, 0, 1, 0, 1, 2, 3, 4]
+    assert msd[0].tolist() == [3, 2, 1, 0, 1, 0, 4, 3, 2, 1]
+    # sort / reverse: answer slot t is coupled with input symbol m + 1 - t (reverse's source)
+    rev = torch.tensor([[5, 6, 7, 2, 1, 1, 1, 0]])  # s₁ s₂ s₃ = _ _ _ <pad>
+    digits = torch.tensor([False] * 3 + [True] * 10)
+    got = coupled_index(rev, digits=digits, slot=1, pad=0, answer_order="lsd")
+    assert got[0].tolist() == [3, 2, 1, 0, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("position", ["coupled", "abacus"])
+def test_indexed_positions_are_knowledge_and_seen(position, causal):
+    from symattn_cli.verify.knowledge import position_shift_change
+
+    model, example, _ = addition_model(position, causal=causal)
+    errors = model_orthogonal_errors(model, example, samples=2)
+    assert errors["with_knowledge"] <= TOL
+    assert errors["embedding_only"] > CLEAR_FAILURE
+    assert position_shift_change(model, example) > CLEAR_FAILURE  # not blind to positions
+
+
+def test_abacus_offset_is_random_in_training_only():
+    model, example, spec = addition_model("abacus", position_offset=20)
+    assert model.position_offset == 20
+    assert model.position.table.shape[0] == spec.max_len + 20 + 1
+    fixed = model.layout(example).index
+    torch.manual_seed(1)
+    shifted = model.train().layout(example).index
+    moved = (shifted - fixed)[fixed > 0]
+    offsets = (shifted - fixed).max(-1).values  # (B,): one offset per sequence
+    assert ((shifted - fixed) == offsets[:, None] * (fixed > 0)).all()
+    assert moved.min() >= 0 and moved.max() <= 20 and len(set(offsets.tolist())) > 1
+    assert (shifted[fixed == 0] == 0).all()  # operators and padding keep no position
+
+
+def test_causal_answers_read_no_later_token_and_decode_greedily():
+    from symattn_cli.verify.knowledge import causal_leak
+
+    model, example, _ = addition_model("coupled", causal=True)
+    assert causal_leak(model, example) == 0.0
+    model.causal = False  # the same weights reading every token: the check must fail
+    assert causal_leak(model, example) > CLEAR_FAILURE
+    model.causal = True
+    with torch.no_grad():
+        greedy = model(example)  # (B, n, V): evaluation decodes greedily
+        layout = model.layout(example)
+        answer = layout.answer
+        follows = answer & torch.roll(answer, 1, dims=1)
+        fed = torch.where(follows, torch.roll(greedy.argmax(-1), 1, dims=1), example)
+        assert not torch.equal(fed[answer], example[answer])  # not the data's answers
+        forced = model.logits(fed, layout)  # teacher forcing on its own predictions
+    assert torch.allclose(greedy[answer], forced[answer], atol=1e-12)
+    # training mode: one teacher-forced pass on the data's tokens
+    assert torch.allclose(model.train()(example), model.logits(example, layout), atol=1e-12)
+
+
+def test_indexed_positions_and_causal_answers_refuse_what_they_cannot_do():
+    with pytest.raises(ConfigError, match="form='quartic' sums over all tokens"):
+        addition_model("coupled", causal=True, form="quartic")
+    with pytest.raises(ConfigError, match="position=coupled indexes digits"):
+        build({"position": "coupled"}, DataSpec(task="tokens", num_classes=4, tokens=("a",)))
+    with pytest.raises(ConfigError, match="position_offset=-2"):
+        addition_model("abacus", position_offset=-2)
+    model, example, _ = addition_model("abacus")
+    with pytest.raises(ValueError, match="exceeds the table"):
+        model(example, position_shift=1000)

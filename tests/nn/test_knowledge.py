@@ -154,3 +154,23 @@ def test_position_frame_rotates_with_the_embedding():
     lengths = torch.tensor([5, 3])
     rotated = rotate_embedding(pos, q)
     assert relative_error(rotated(lengths, 5), pos(lengths, 5) @ q.T) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["sinusoid", "table"])
+def test_indexed_positions_rotate_with_the_embedding_and_vanish_at_index_zero(kind):
+    from symattn_cli.nn.knowledge import IndexSinusoidPosition, IndexTablePosition
+
+    torch.manual_seed(0)
+    if kind == "sinusoid":
+        pos = IndexSinusoidPosition(d_model=D, width=D - 2, base=100.0).double()
+    else:
+        pos = IndexTablePosition(d_model=D, width=D - 2, rows=9).double()
+    index = torch.tensor([[3, 2, 1, 0, 1, 0, 1, 2, 3, 4]])  # (1, n): coupled positions
+    p = pos(index)  # (1, n, d)
+    assert p.shape == (1, 10, D) and (p[0, [3, 5]] == 0).all()  # operators: no position
+    assert torch.equal(p[0, 0], p[0, 8]) and not torch.allclose(p[0, 0], p[0, 1])  # coupled
+    q = haar_orthogonal(D, torch.Generator().manual_seed(1))
+    assert relative_error(rotate_embedding(pos, q)(index), p @ q.T) <= TOL  # P → QP
+    if kind == "table":
+        with pytest.raises(ValueError, match="index 9 exceeds the table's 9 rows"):
+            pos(index + 5)

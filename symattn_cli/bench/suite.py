@@ -95,6 +95,17 @@ def quick_cases() -> list[Case]:
     ]
 
 
+def index_cases() -> list[Case]:
+    """The group term's index: sum-form layers with each index and the single form, per group,
+    at the rotMNIST width on a 12x12 map (the ratios over ``relative`` come with them)."""
+    cases = []
+    for group in ("r4", "r8", "r8m"):
+        for index in ("relative", "gevit", "pair"):
+            cases.append(replace(gsa_layer(group, "sum"), group_index=index))
+        cases.append(gsa_layer(group, "single"))
+    return cases
+
+
 def default_cases() -> list[Case]:
     cases = []
     for group in ("z2", "r4", "r8", "r12", "r16"):  # time and memory vs group order
@@ -119,7 +130,7 @@ def default_cases() -> list[Case]:
     cases += [gsa_model(g) for g in ("z2", "r4", "r8")]  # whole networks, batch 2
     cases += [gsa_model("r8", form="single"), gsa_model("z2", batch=8)]
     cases += [model("cnn"), model("gcnn")]
-    return cases
+    return list({case.key(): case for case in cases}.values())  # each case once
 
 
 def global_cases() -> list[Case]:
@@ -160,6 +171,8 @@ PRESETS: dict[str, Preset] = {
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=3, warmup=1),
+        Preset("index", "sum-form r4/r8/r8m layers with each group index (relative, gevit, "
+               "pair) and the single form, side by side", index_cases, repeats=5, warmup=2),
         Preset("gpu", "rotMNIST r8 net (both forms), z2 net and CNN at batches 8, 32, 128: "
                "train-step throughput and memory, for device=cuda", gpu_cases, repeats=10,
                warmup=3),

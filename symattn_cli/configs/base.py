@@ -69,7 +69,7 @@ class BenchmarkConfig:
     (``[triton,torch]``: the Triton kernel against the plain PyTorch core on the same GPU).
     """
 
-    preset: str = "default"  # reference | default | gpu | gpu-static | global | quick
+    preset: str = "default"  # reference | default | index | gpu | gpu-static | global | quick
     device: str = "cpu"  # cpu | cuda | cuda:<index>
     repeats: int | None = None  # timed steps per mode (median and spread over these)
     warmup: int | None = None  # untimed steps first

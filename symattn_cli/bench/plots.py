@@ -39,7 +39,10 @@ def _series(rows: Sequence[dict[str, Any]], column: str) -> dict[str, list[dict[
             "batch": f"b{first['batch']}",
         }
         fixed.pop(column)
-        label = f"{first['kind']} {first['family']} {first['form']} ({', '.join(fixed.values())})"
+        name = f"{first['kind']} {first['family']} {first['form']}"
+        if first.get("group_index") and first["form"] == "sum":
+            name += f" {first['group_index']}"
+        label = f"{name} ({', '.join(fixed.values())})"
         out[label] = members
     return out
 

@@ -429,6 +429,8 @@ def growth_exponents(
                 continue
             first = members[0]
             name = f"{first['kind']} {first['family']} {first['form']}"
+            if first.get("group_index") and first["form"] == "sum":
+                name += f" {first['group_index']}"
             fixed = ", ".join(f"{k}={shown(k, first[k])}" for k in ("group_order", "patch_size",
                               "image_size", "batch") if k != column)  # fmt: skip
             for quantity in quantities:

@@ -107,8 +107,13 @@ def test_checkpoint_of_a_trained_gsa_model(workdir):
     exact = agreement & (table["expect"] == "exact")
     assert exact.sum() == 4 and np.all(table["rel_err"][exact] == 0.0)  # 100% unchanged
     assert np.any(agreement & (table["expect"] == "approximate"))  # 45°, 30° measured
-    layers = np.char.startswith(table["layer"].astype(str), "trained ")
+    trained_rows = np.char.startswith(table["layer"].astype(str), "trained ")
+    layers = trained_rows & (table["expect"] == "exact")
     assert layers.sum() > 4 and np.all(table["rel_err"][layers] <= 1e-10)
+    # and every trained group layer sees its group axis (the default index is not blind)
+    sees = trained_rows & (table["expect"] == "responds")
+    assert sees.sum() >= 2 and np.all(table["rel_err"][sees] >= 1e-6)
+    assert not np.any(trained_rows & (table["expect"] == "blind"))
     assert f"attention maps: {out / 'attention.png'}" in result.stdout
     assert (out / "attention.png").stat().st_size > 10_000
 

@@ -533,8 +533,10 @@ def run_all(
                         records += axis_response(name, kind, index=index, dtype=dtype,
                                                  seed=seed, patch_size=patch)  # fmt: skip
             if kind == "network" and group.order > 1:
-                module, x = build_probe(group, kind, image_size=image_sizes[0], seed=seed,
-                                        dtype=_dtype(dtype))  # fmt: skip
+                # 12 channels: 6 per head, 2 of them for the group term (the equivariance
+                # probe's 6 leave one, whose effect at the logits is too faint to measure)
+                module, x = build_probe(group, kind, image_size=image_sizes[0], channels=12,
+                                        seed=seed, dtype=_dtype(dtype))  # fmt: skip
                 records += model_axis_response(module, x)
         if (
             offgrid

@@ -115,7 +115,10 @@ def attention_calls(case) -> list[Call]:
     module.train()
     calls: list[Call] = []
 
-    def record(q, k, v, group_rho, rho, offsets, neighbour, valid, *, form, n, drop=0.0, **_):
+    def record(q, k, v, group_rho, rho, offsets, neighbour, valid, *, form, n, drop=0.0,
+               group_index=None, **_):  # fmt: skip
+        if group_rho is not None and group_index is not None:  # the encoding the index reads
+            group_rho = group_rho[group_index]
         kind = "lifting" if q.shape[2] == 1 and k.shape[2] == 1 else f"group {form}"
         side = math.isqrt(q.shape[1])
         where = f"{side}x{side}" if side * side == q.shape[1] else f"{q.shape[1]} points"

@@ -148,8 +148,16 @@ def report(cfg: Any) -> Report:
     found = collect(cfg)
     directory = run_dir()
     targets = [directory / name for name in (CSV_FILE, MARKDOWN_FILE, RESULTS_FILE)]
+    if cfg.x and cfg.x not in found.columns:
+        raise ConfigError(
+            f"x={cfg.x} is not a column of this report; choose one of {found.columns} (or add "
+            "it with group_by=[...])"
+        )
+    if cfg.x:
+        plots.trend_values(found.groups, cfg.x)  # a non-numeric column fails before any file
     if cfg.plot:
         targets += [directory / plots.METRICS_FILE, directory / plots.CURVES_FILE]
+        targets += [directory / plots.TREND_FILE] if cfg.x else []
     existing = [path for path in targets if path.exists()]
     if existing:
         raise UserError(
@@ -187,6 +195,9 @@ def report(cfg: Any) -> Report:
             plots.plot_metrics(groups, metrics, directory / plots.METRICS_FILE, found.title),
             plots.plot_curves(groups, found.curves, directory / plots.CURVES_FILE, found.title),
         ]
+        if cfg.x:
+            figures.append(plots.plot_trend(groups, metrics, cfg.x,
+                                            directory / plots.TREND_FILE, found.title))  # fmt: skip
 
     console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
     console.print(found.title, highlight=False)

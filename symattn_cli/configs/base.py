@@ -112,6 +112,7 @@ class ReportConfig:
     )  # fmt: skip
     sort_by: str = ""  # a metric: best group first; "" = order of first appearance
     curves: list[str] = field(default_factory=list)  # epoch metrics (val_acc, train_loss)
+    x: str = ""  # a numeric column: each metric against it (trend.png), a line per other label
     title: str = ""
     plot: bool = True
     name: str = "report"

@@ -3,7 +3,8 @@
 ``metrics.png``: one panel per metric, a point per group at the mean with a ± std error bar,
 each run as a small dot beside it. ``curves.png``: one panel per epoch metric (the validation
 score and the training loss by default), a line per group at the mean over its runs with a
-± std band. Agg backend, so no display is needed.
+± std band. ``trend.png`` (``x=KEY``): each metric against a numeric column, a line per group
+of the other columns, mean ± std. Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from symattn_cli.report.tables import header, is_score
 
 METRICS_FILE = "metrics.png"
 CURVES_FILE = "curves.png"
+TREND_FILE = "trend.png"
 
 
 def group_name(group: RunGroup) -> str:
@@ -102,6 +104,72 @@ def plot_curves(groups: Sequence[RunGroup], metrics: Sequence[str], path: Path,
     axes[0][0].legend(fontsize=6, loc="best")
     caption = f"{title}\n" if title else ""
     fig.suptitle(_wrap(caption + "mean over runs, band ± std", fig), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def trend_values(groups: Sequence[RunGroup], x: str) -> dict[str, float]:
+    """The numeric value of column ``x`` per group label string; ConfigError names a value
+    that is not a number."""
+    from symattn_cli.errors import ConfigError
+
+    values = {}
+    for group in groups:
+        text = group.label[x]
+        try:
+            values[text] = float(text)
+        except ValueError:
+            raise ConfigError(
+                f"x={x} needs numbers, but a group has {x}={text!r}; choose a numeric column "
+                f"of {list(group.label)}"
+            ) from None
+    return values
+
+
+def plot_trend(groups: Sequence[RunGroup], metrics: Sequence[str], x: str, path: Path,
+               title: str = "") -> Path | None:  # fmt: skip
+    """``path`` with one panel per metric against column ``x``: a line per label of the other
+    columns, at the mean with ± std error bars; ``None`` when there is nothing to draw. The x
+    axis places the distinct values in order, evenly spaced (a count of 0 under a ``num_*`` key
+    is the full split: "0 (all)")."""
+    if not groups or not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numbers = trend_values(groups, x)
+    order = sorted(set(numbers.values()))
+    lines: dict[str, list[RunGroup]] = {}
+    for group in groups:
+        rest = ", ".join(v for k, v in group.label.items() if k != x) or "all runs"
+        lines.setdefault(rest, []).append(group)
+    full = x.rsplit(".", 1)[-1].startswith("num_")
+    ticks = [f"{v:g}" + (" (all)" if full and v == 0 else "") for v in order]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.0), squeeze=False)
+    colours = _colours(len(lines))
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        scale = 100.0 if is_score(metric) else 1.0
+        for (name, members), colour in zip(lines.items(), colours, strict=True):
+            points = sorted((order.index(numbers[g.label[x]]), scale * g.values(metric))
+                            for g in members if len(g.values(metric)))  # fmt: skip
+            if not points:
+                continue
+            where = [p for p, _ in points]
+            mean = [v.mean() for _, v in points]
+            std = [v.std(ddof=1) if len(v) > 1 else 0.0 for _, v in points]
+            ax.errorbar(where, mean, yerr=std, marker="o", ms=4, capsize=3, color=colour,
+                        label=name)  # fmt: skip
+        ax.set_xticks(range(len(order)), ticks)
+        ax.set_xlabel(x)
+        ax.set_ylabel(header(metric))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6, loc="best")
+    caption = f"{title}\n" if title else ""
+    fig.suptitle(_wrap(caption + "mean ± std over runs", fig), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

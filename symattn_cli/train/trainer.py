@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,8 +42,20 @@ def seed_everything(seed: int, *, deterministic: bool = True) -> None:
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
     if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        _deterministic_algorithms()
         torch.backends.cudnn.benchmark = False
+
+
+def _deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)``, which also sets the
+    compiler's flag and so imports the compiler (seconds per process). symattn compiles
+    nothing: unless the compiler is already loaded, only the eager flag is set."""
+    if "torch._inductor.config" in sys.modules or not hasattr(
+        torch._C, "_set_deterministic_algorithms"
+    ):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -151,3 +151,24 @@ def test_bad_options_name_the_value_and_the_choices(tmp_path, monkeypatch, key, 
     cfg = OmegaConf.merge(OmegaConf.structured(ReportConfig(paths=["run"])), {key: value})
     with pytest.raises(ConfigError, match=message):
         collect(cfg)
+
+
+def test_a_trend_plots_each_metric_against_a_numeric_column(tmp_path, monkeypatch):
+    """``x=data.num_train``: a line per model over the training-set sizes; a column that is
+    not a number is refused with its value."""
+    from symattn_cli.report import plots
+
+    for model in ("cnn_mini", "gcnn_mini"):
+        for size in (0, 350, 1050):
+            for seed in (0, 1):
+                write_run(tmp_path / f"{model}-{size}-{seed}", model=model, seed=seed,
+                          num_train=size, test_acc=0.5 + size / 5000 + seed / 100)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    found = collect(OmegaConf.structured(ReportConfig(paths=["."])))
+    assert found.columns == ["model", "data.num_train"] and len(found.groups) == 6
+    assert plots.trend_values(found.groups, "data.num_train") == {"0": 0, "350": 350,
+                                                                  "1050": 1050}  # fmt: skip
+    path = plots.plot_trend(found.groups, ["test_acc"], "data.num_train", tmp_path / "t.png")
+    assert path.stat().st_size > 10_000
+    with pytest.raises(ConfigError, match="x=model needs numbers.*'cnn_mini'"):
+        plots.trend_values(found.groups, "model")

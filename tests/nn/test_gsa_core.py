@@ -233,6 +233,41 @@ def test_backward_takes_a_non_contiguous_output_gradient(form, shape, backend):
     assert not grad.is_contiguous() and torch.equal(a, b)
 
 
+INDEX_CASES = [
+    ("sum", dict(by_v=True)),
+    ("sum", dict(by_v=True, local=False)),
+    ("single", dict(by_v=True)),
+    ("sum", dict()),  # an index without v ((G, M), as "relative")
+    ("single", dict()),
+    ("sum", dict(g=8, m=8, d=7, e=4, by_v=True)),
+]
+
+
+@pytest.mark.parametrize(("form", "shape"), INDEX_CASES)
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_a_table_and_its_index_match_the_gathered_encoding(form, shape, drop, backend):
+    """``group_rho`` as an embedding table ``(R, c)`` with ``group_index`` (rows shared by
+    many (v, g, m), as every group index shares them) = the oracle on ``table[index]``: values,
+    and the table's gradient summed over the entries that read each row."""
+    q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(**shape)
+    rows = 5
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(rows, g_rho.shape[-1], generator=gen, dtype=torch.float64)
+    index = torch.randint(0, rows - 1, g_rho.shape[:-1], generator=gen)  # row 4 never read
+    inputs = (q, k, v, table, rho, offsets, nb, valid, n)
+    ours = _run(factorised_attention, inputs, form, drop=drop, chunk=2, backend=backend,
+                group_index=index)  # fmt: skip
+
+    def oracle(q, k, v, table, *rest, **kwargs):
+        return _dense(drop)(q, k, v, table[index], *rest, **kwargs)
+
+    theirs = _run(oracle, inputs, form)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+    assert torch.equal(ours[4][4], torch.zeros_like(ours[4][4]))  # the unread row
+    assert ours[4][:4].abs().min() > 0  # every read row has a gradient
+
+
 def test_torch_backend_recomputes_chunks_or_keeps_them():
     """With ``recompute`` the torch backend's chunks are checkpointed; either way the same
     gradients."""

@@ -29,6 +29,7 @@ def write_run(
     channels: tuple[int, ...] | None = None,
     choices: bool = True,
     keep_open: bool = False,
+    num_train: int | None = None,
 ):
     """``<directory>/run.h5`` as ``symattn train`` writes it; returns the open writer with
     ``keep_open`` (a run still training), else the path."""
@@ -41,6 +42,8 @@ def write_run(
         "logger": {"mode": "disabled"},
         "seed": seed,
     }  # fmt: skip
+    if num_train is not None:
+        config["data"]["num_train"] = num_train
     run = RunFile.create(
         Path(directory) / "run.h5",
         command="train",

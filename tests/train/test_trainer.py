@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -159,3 +161,18 @@ def test_rich_progress_draws_a_bar():
         progress.end_epoch(1, 1, {"val_acc": 0.5})
     text = stream.getvalue()
     assert "epoch 1/1" in text and "2/2" in text  # the bar's M/N column, completed
+
+
+def test_seeding_turns_on_deterministic_algorithms_without_loading_the_compiler():
+    """The eager flag is what a run needs; torch's own switch also imports its compiler,
+    seconds of every run's start."""
+    code = (
+        "import sys, torch\n"
+        "from symattn_cli.train.trainer import seed_everything\n"
+        "seed_everything(3)\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "print('torch._inductor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -46,8 +46,9 @@ Backends, one file each in this package, named after the option that picks it; t
 (the dispatcher, :func:`factorised_attention`, ``backend="auto"``) hands them plain tensors and
 values, and none imports it:
   ``cpp``     (:mod:`.cpp`, ``cpp_kernel.cpp``) the fused CPU kernel: per tile of queries,
-              logits, both softmaxes and the value sums in cache; a hand-written backward that
-              recomputes them.
+              logits, both softmaxes and the value sums in cache, the group logits gathered
+              from q . emb[r] (G R per query) by the index, never as a (V, M, G) tensor per
+              query; a hand-written backward that recomputes them.
   ``triton``  (:mod:`.triton`, :mod:`.triton_kernel`) the fused GPU kernel: one program per
               query, the same equations, its backward recomputing them from the outer
               softmax's log-sum-exp that the forward keeps; CUDA tensors (CPU tensors only in
@@ -135,12 +136,16 @@ def attention_backends(model: Any, device) -> str:
 def factorised_attention(
     q, k, v, group_rho, rho, offsets, neighbour, valid, *, form: str, n: int,
     drop: float = 0.0, chunk: int = 64, recompute: bool = True, backend: str = "auto",
+    group_index: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``out (Z, L, V, d)`` from q ``(Z, L, G, d)`` (pre-scaled by 1/sqrt(d)), k, v
     ``(Z, Lkv, M, d)``.
 
     ``group_rho`` ``(G, M, c)``, ``(V, G, M, c)`` or None: the group encoding, dotted with
-    q's last c channels (:func:`group_logits`);
+    q's last c channels (:func:`group_logits`); with ``group_index`` ``(G, M)`` or ``(V, G,
+    M)`` (int64), ``group_rho`` is the embedding table ``(R, c)`` and the encoding is
+    ``group_rho[group_index]`` (the fused CPU kernel gathers the logits by the index, never
+    building the ``(Z, L, V, M, G)`` tensor);
     ``rho`` ``(V, D, e)`` or None: rho_xy, dotted with q's first e channels, at offset
     ``offsets[i, j]`` ``(L, J)`` (None: local, offset j); ``neighbour`` ``(L, J)`` indices
     into Lkv; ``valid`` ``(L, J)`` bool or None; ``n`` = V; ``drop`` the attention-dropout
@@ -160,19 +165,25 @@ def factorised_attention(
             q, k, v, group_rho, rho = (_widen(t) for t in (q, k, v, group_rho, rho))
             return factorised_attention(
                 q, k, v, group_rho, rho, offsets, neighbour, valid, form=form, n=n, drop=drop,
-                chunk=chunk, recompute=recompute, backend=backend,
+                chunk=chunk, recompute=recompute, backend=backend, group_index=group_index,
             )  # fmt: skip
     threshold = round(drop * DROP_STEPS)
     drop = threshold / DROP_STEPS
     # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
     seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
     single = form == "single"
-    gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
     which = backend_for(q.device, q.dtype, backend)
-    if which == "cpp":
-        out = cpp.cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n,
-                                threshold, seed)  # fmt: skip
-    elif which == "triton":  # half precision is computed in float32
+    if which == "cpp":  # the kernel gathers the group logits from a table and an index
+        if group_rho is not None and group_index is None:  # every (v, g, m) its own row
+            group_index = torch.arange(group_rho[..., 0].numel()).view(group_rho.shape[:-1])
+            group_rho = group_rho.reshape(-1, group_rho.shape[-1])
+        out = cpp.cpp_attention(q, k, v, group_rho, group_index, rho, offsets, neighbour, valid,
+                                single, n, threshold, seed)  # fmt: skip
+        return out * (1.0 / (1.0 - drop)) if drop > 0 else out
+    if group_rho is not None and group_index is not None:
+        group_rho = group_rho[group_index]
+    gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
+    if which == "triton":  # half precision is computed in float32
         dtype = q.dtype
         wide = (_widen(t) for t in (q, k, v, gl, rho))
         out = triton.triton_attention(*wide, offsets, neighbour, valid, single, n, threshold,

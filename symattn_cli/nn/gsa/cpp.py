@@ -143,34 +143,41 @@ def _build() -> ModuleType | None:
 
 class CppAttention(torch.autograd.Function):
     """The kernel's forward and backward as an autograd function on the kernel's layouts, the
-    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L) or
-    (Z, V, M, G, L), out (Z, d, V, L); see :func:`cpp_attention`."""
+    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), the group embedding emb (R, c)
+    and its index (1 or V, G, M), out (Z, d, V, L); see :func:`cpp_attention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    def forward(ctx, q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
+                seed):  # fmt: skip
         args = (offsets, neighbour, valid, single, n, threshold, seed)
-        ctx.save_for_backward(q, k, v, gl, rho)
+        ctx.save_for_backward(q, k, v, emb, rho)
+        ctx.index = index
         ctx.args = args
         with torch.profiler.record_function("gsa.kernel.forward"):  # named in profiles
-            return load().forward(q, k, v, gl, rho, *args)
+            return load().forward(q, k, v, emb, index, rho, *args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, gl, rho = ctx.saved_tensors
+        q, k, v, emb, rho = ctx.saved_tensors
         with torch.profiler.record_function("gsa.kernel.backward"):
-            grads = load().backward(grad_out.contiguous(), q, k, v, gl, rho, *ctx.args)
-        return *grads, *(None,) * 7
+            dq, dk, dv, demb, drho = load().backward(
+                grad_out.contiguous(), q, k, v, emb, ctx.index, rho, *ctx.args
+            )
+        return dq, dk, dv, demb, None, drho, *(None,) * 7
 
 
-def cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold, seed):
+def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
+                  seed):  # fmt: skip
     """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the fused CPU kernel,
     without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)`` (a view of a ``(Z, d, V, L)``
-    tensor, which the layer's W_out reads without a copy). ``gl`` ``(Z, L, M, G)``: the group
-    logits, ``(Z, L, V, M, G)`` when they depend on the output element (sum form only), or
-    None; dropout keeps an entry whose 15-bit hash is at least ``threshold``. The
-    kernel takes the point axis last, so that a tile of consecutive queries, and their
-    neighbours at one offset, are consecutive numbers."""
+    tensor, which the layer's W_out reads without a copy). ``emb`` ``(R, c)``: the group
+    embedding, dotted with q's last c channels, and ``index`` ``(G, M)`` or ``(V, G, M)``
+    (sum form only) the row each (g, m) or (v, g, m) reads: gl[v, m, g] = q_ig . emb[index[v,
+    g, m]], gathered inside the kernel; both None without a group term. Dropout keeps an entry
+    whose 15-bit hash is at least ``threshold``. The kernel takes the point axis last, so that
+    a tile of consecutive queries, and their neighbours at one offset, are consecutive
+    numbers."""
 
     def points_last(t):  # (Z, P, ...) -> (Z, ..., P)
         return None if t is None else t.movedim(1, -1).contiguous()
@@ -178,8 +185,13 @@ def cpp_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, thresh
     def flat(t):
         return None if t is None else t.contiguous()
 
+    if emb is not None:
+        if index.dim() == 3 and single:  # g = v: the diagonal, (G, M)
+            index = torch.diagonal(index, dim1=0, dim2=1).T
+        index = (index if index.dim() == 3 else index.unsqueeze(0)).to(torch.long).contiguous()
     out = CppAttention.apply(
-        points_last(q), points_last(k), points_last(v), points_last(gl), flat(rho),
-        flat(offsets), flat(neighbour), flat(valid), single, n, threshold, seed,
+        points_last(q), points_last(k), points_last(v), flat(emb), index if emb is not None
+        else None, flat(rho), flat(offsets), flat(neighbour), flat(valid), single, n,
+        threshold, seed,
     )  # fmt: skip
     return out.permute(0, 3, 2, 1)  # (Z, L, V, d)

@@ -35,6 +35,9 @@
 //   dgl[v,m,g] = sum_j dc_v,  DC = sum_v dc_v,  dq, dk from DC as above; rho from dt_v
 // (dpi_v = keep beta_v dP_v). Where a product underflows where the exp of the sum would not
 // (extreme logits), that v of the tile computes exp(c0 + gl[v] - max_m) itself.
+// The group logits are gathered per tile, never stored: gl[v,m,g] = tq[g, gidx[v,g,m]] with
+// tq[g,r] = q[g,d-c:] . emb[r] (G R c products per query instead of V M G c); the backward
+// sums dgl into dtq by the same index, then dq[g,d-c:] += dtq[g] emb, d emb += dtq^T q.
 // The forward runs in parallel over tiles; the backward over z, which owns its rows of dk and
 // dv; drho is summed per thread, then over threads in order (deterministic for a thread
 // count).
@@ -130,12 +133,13 @@ void storeu(S* dst, const V& x) {
 
 template <typename S>
 struct Problem {
-  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), gl (Z, M, G, L) or, when it
-  // depends on the output element (by_v), (Z, V, M, G, L); rho (V, D, e)
-  const S *q, *k, *v, *gl, *rho;  // gl, rho: null when absent
-  const int64_t *offsets, *nb;    // offsets: null when local (offset j)
-  const bool* valid;              // null when every neighbour is inside
-  int64_t Z, L, Lkv, G, M, J, d, e, V, K, D;
+  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv); the group embedding emb
+  // (R, c) and the row each (v, g, m) reads, gidx (Vg, G, M) (Vg = V when the group term
+  // depends on the output element (by_v), else 1); rho (V, D, e)
+  const S *q, *k, *v, *emb, *rho;  // emb (with gidx), rho: null when absent
+  const int64_t *gidx, *offsets, *nb;  // offsets: null when local (offset j)
+  const bool* valid;                   // null when every neighbour is inside
+  int64_t Z, L, Lkv, G, M, J, d, e, V, K, D, R, c;
   bool single, by_v;
   uint32_t threshold, s0, s1;  // dropout: keep iff hash mod 2^15 >= threshold
 
@@ -165,16 +169,18 @@ struct Tile {
   // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
   // and the output rows (V, d) after it;
   // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep, or a d rho row (e);
-  // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane
-  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local;
+  // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane; emb_lanes
+  // (R, c): the group embedding, broadcast; tq (G, R): q[g, d-c:] . emb[r]
+  V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local, *emb_lanes, *tq;
   // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx); for the current v: ev, evk (J,
   // M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl (M, G); mxv (J, G): the fallback's
   // maxima; beta, a (J, G): beta and beta / sm; acc (G); u (K, J, G): outer logits less lse;
   // pv (V, J, M): P
   V *c0, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M)
-  V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv;
+  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
+  // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
+  V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv, *dtq, *demb;
 
   Tile(const Problem<S>& p, bool backward) {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward, bv = p.by_v;
@@ -183,14 +189,16 @@ struct Tile {
                              p.threshold ? JMG : 0, J * G, J * G, (J * G + p.V) * d,
                              (bv ? 1 : p.rows()) * J * G, std::max<int64_t>(p.e, 1),
                              std::max(M * G, p.e), p.spatial_table() ? p.V * J * p.e : 0,
+                             p.R * p.c, G * p.R,
                              bv * JMG, bv * JMG, bv && p.threshold ? JMG : 0, bv * M * G,
                              bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * J * M * d, b * J * M * d, b * JMG,
-                             b * gl_rows * M * G, b * bv * p.V * J * M};
+                             b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
+                             b * p.R * p.c};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
-                    &c0, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
-                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv};
+                    &emb_lanes, &tq, &c0, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
+                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv, &dtq, &demb};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     memory = at::empty({total * T}, at::TensorOptions().dtype(c10::CppTypeToScalarType<S>::value));
@@ -201,6 +209,8 @@ struct Tile {
     }
     if (p.spatial_table())
       for (int64_t a = 0; a < p.V * J * p.e; ++a) rho_local[a] = V{} + p.rho[p.local_row(a)];
+    for (int64_t a = 0; a < p.R * p.c; ++a) emb_lanes[a] = V{} + p.emb[a];
+    if (backward) std::fill(demb, demb + p.R * p.c, V{});
   }
 
   // How the lanes' neighbours j lie in the key axis: at consecutive points (a local tile
@@ -226,9 +236,6 @@ struct Tile {
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
     for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + (z * G * d + gc) * p.L);
-    const int64_t gl_size = (p.by_v ? p.V : 1) * M * G;
-    if (p.gl)
-      for (int64_t a = 0; a < gl_size; ++a) gl[a] = row_at(p.gl + (z * gl_size + a) * p.L);
     layout.resize(J);
     first.resize(J);
     int64_t index[T];
@@ -409,13 +416,20 @@ void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename 
   }
 }
 
-// pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
+// gl, pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
 // parts every v shares (group_row completes them per v).
 template <typename S>
 void forward_tile(const Problem<S>& p, Tile<S>& tl) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, M = p.M, J = p.J, d = p.d;
+  if (p.emb) {  // gl[v, m, g] = tq[g, gidx[v, g, m]],  tq[g, r] = q[g, d-c:] . emb[r]
+    const int64_t R = p.R;
+    contract<V>(tl.tq, R, 1, {tl.q + d - p.c, d, 1}, {tl.emb_lanes, p.c, 1}, G, R, p.c, false);
+    for (int64_t vg = 0; vg < (p.by_v ? p.V : 1) * G; ++vg)
+      for (int64_t m = 0; m < M; ++m)
+        tl.gl[((vg / G) * M + m) * G + vg % G] = tl.tq[(vg % G) * R + p.gidx[vg * M + m]];
+  }
   for (int64_t j = 0; j < J; ++j) {
     V* pj = tl.pi + j * M * G;  // (M, G): logits, then pi
     const V* kj = tl.kg + j * M * d;
@@ -425,8 +439,8 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
       contract<V>(cj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, false);
       std::copy(cj, cj + M * G, pj);
     } else {
-      if (p.gl) std::copy(tl.gl, tl.gl + M * G, pj);
-      contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.gl);
+      if (p.emb) std::copy(tl.gl, tl.gl + M * G, pj);
+      contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.emb);
     }
     for (int64_t g = 0; g < G; ++g) {  // softmax over m (by_v: its numerators only)
       V top = pj[g];
@@ -557,12 +571,12 @@ void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
 
 template <typename S>
 struct Grads {
-  S *dq, *dk, *dv, *dgl, *drho;  // dgl, drho: null when absent; drho: this thread's sum
+  S *dq, *dk, *dv, *drho;  // drho: null when absent; this thread's sum
 };
 
 // Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, G, d, L),
-// dk and dv (Z, M, d, Lkv) and dgl (Z, M, G, L) are laid out as their inputs; drho_local
-// (V, J, e) collects a local layer's d rho lane by lane.
+// dk and dv (Z, M, d, Lkv) are laid out as their inputs; drho_local (V, J, e) collects a
+// local layer's d rho lane by lane, tl.demb the group embedding's.
 template <typename S>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
                    typename Tile<S>::V* drho_local) {
@@ -665,7 +679,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
       }
   }
   // the inner softmax, the keys and the values
-  if (gr.dgl && !p.by_v) std::fill(tl.dgl, tl.dgl + M * G, V{});
+  if (p.emb && !p.by_v) std::fill(tl.dgl, tl.dgl + M * G, V{});
   for (int64_t j = 0; j < J && !p.by_v; ++j) {
     const V* pj = tl.pi + j * M * G;
     const V* dwj = tl.dw + j * G * d;
@@ -680,7 +694,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
       for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * dc[m * G + g];
       for (int64_t m = 0; m < M; ++m) dc[m * G + g] = pj[m * G + g] * (dc[m * G + g] - acc);
     }
-    if (gr.dgl)
+    if (p.emb)
       for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += dc[mg];
     // dk[j, m] = sum_g dc[m, g] q[g]
     contract<V>(tl.dkg + j * M * d, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
@@ -688,12 +702,19 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   // dq[g] += sum_(j,m) dc[j, m, g] k[j, m]
   contract<V>(tl.dq, d, 1, {tl.dc, 1, G}, {tl.kg, 1, d}, G, d, J * M, true);
 
+  // the group term: dtq[g, gidx[v, g, m]] += dgl[v, m, g], then dq[g, d-c:] += dtq[g] emb
+  // and d emb[r] += sum_g dtq[g, r] q[g, d-c:] (0 on lanes past n: go is 0 there)
+  if (p.emb) {
+    const int64_t R = p.R, c = p.c;
+    std::fill(tl.dtq, tl.dtq + G * R, V{});
+    for (int64_t vg = 0; vg < (p.by_v ? p.V : 1) * G; ++vg)
+      for (int64_t m = 0; m < M; ++m)
+        tl.dtq[(vg % G) * R + p.gidx[vg * M + m]] += tl.dgl[((vg / G) * M + m) * G + vg % G];
+    contract<V>(tl.dq + d - c, d, 1, {tl.dtq, R, 1}, {tl.emb_lanes, 1, c}, G, c, R, true);
+    contract<V>(tl.demb, c, 1, {tl.dtq, 1, R}, {tl.q + d - c, 1, d}, R, c, G, true);
+  }
   // scatter to the tile's queries and their neighbours
   for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
-  const int64_t gl_size = (p.by_v ? p.V : 1) * M * G;
-  if (gr.dgl)
-    for (int64_t a = 0; a < gl_size; ++a)
-      tl.store_row(gr.dgl + (tl.z * gl_size + a) * p.L, tl.dgl[a]);
   for (int64_t j = 0; j < J; ++j)
     for (int64_t mc = 0; mc < M * d; ++mc) {  // outside neighbours add 0 (beta = 0)
       tl.scatter_add(p, j, gr.dk + (tl.z * M * d + mc) * p.Lkv, tl.dkg[j * M * d + mc]);
@@ -702,15 +723,18 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
 }
 
 template <typename S>
-Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
-                   const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
-                   const OptTensor& valid, bool single, int64_t n, int64_t threshold,
+Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
+                   const OptTensor& gidx, const OptTensor& rho, const OptTensor& offsets,
+                   const Tensor& nb, const OptTensor& valid, bool single, int64_t n, int64_t threshold,
                    int64_t seed) {
   Problem<S> p{};
   p.q = q.data_ptr<S>();
   p.k = k.data_ptr<S>();
   p.v = v.data_ptr<S>();
-  p.gl = gl ? gl->data_ptr<S>() : nullptr;
+  p.emb = emb ? emb->data_ptr<S>() : nullptr;
+  p.gidx = emb ? gidx->data_ptr<int64_t>() : nullptr;
+  p.R = emb ? emb->size(0) : 0;
+  p.c = emb ? emb->size(1) : 0;
   p.rho = rho ? rho->data_ptr<S>() : nullptr;
   p.offsets = offsets ? offsets->data_ptr<int64_t>() : nullptr;
   p.nb = nb.data_ptr<int64_t>();
@@ -721,7 +745,7 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   p.D = rho ? rho->size(1) : 0;
   p.V = n;
   p.single = single;
-  p.by_v = gl && gl->dim() == 5;
+  p.by_v = emb && gidx->size(0) > 1;
   p.K = (single || !p.e) ? 1 : n;
   p.threshold = static_cast<uint32_t>(threshold);
   p.s0 = static_cast<uint32_t>(static_cast<uint64_t>(seed));
@@ -729,8 +753,8 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   return p;
 }
 
-void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
-           const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
+void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
+           const OptTensor& gidx, const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
            const OptTensor& valid, bool single, int64_t n) {
   for (const Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4,
@@ -742,15 +766,18 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g
   TORCH_CHECK(nb.scalar_type() == at::kLong && nb.is_contiguous() && nb.dim() == 2 &&
                   nb.size(0) == q.size(3),
               "neighbour must be contiguous int64 (L, J)");
-  if (gl) {
-    const bool by_v = gl->dim() == 5;
-    const std::vector<int64_t> shape =
-        by_v ? std::vector<int64_t>{q.size(0), n, k.size(1), q.size(1), q.size(3)}
-             : std::vector<int64_t>{q.size(0), k.size(1), q.size(1), q.size(3)};
-    TORCH_CHECK(gl->is_contiguous() && gl->scalar_type() == q.scalar_type() &&
-                    gl->sizes() == at::IntArrayRef(shape),
-                "group logits must be contiguous (Z, M, G, L) or (Z, V, M, G, L)");
-    TORCH_CHECK(!(by_v && single), "the single form takes group logits (Z, M, G, L)");
+  TORCH_CHECK(emb.has_value() == gidx.has_value(), "the group embedding needs its index");
+  if (emb) {
+    TORCH_CHECK(emb->is_contiguous() && emb->scalar_type() == q.scalar_type() &&
+                    emb->dim() == 2 && emb->size(1) <= q.size(2) && emb->size(0) > 0,
+                "the group embedding must be contiguous (R, c) with c <= d");
+    TORCH_CHECK(gidx->scalar_type() == at::kLong && gidx->is_contiguous() && gidx->dim() == 3 &&
+                    (gidx->size(0) == 1 || gidx->size(0) == n) && gidx->size(1) == q.size(1) &&
+                    gidx->size(2) == k.size(1),
+                "the group index must be contiguous int64 (1 or V, G, M)");
+    TORCH_CHECK(gidx->min().item<int64_t>() >= 0 && gidx->max().item<int64_t>() < emb->size(0),
+                "the group index must be in [0, R)");
+    TORCH_CHECK(!(single && gidx->size(0) > 1), "the single form takes a group index (1, G, M)");
   }
   if (rho) {
     TORCH_CHECK(rho->is_contiguous() && rho->scalar_type() == q.scalar_type() &&
@@ -769,18 +796,20 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& g
   TORCH_CHECK(!single || q.size(1) == n, "the single form needs G = V");
 }
 
-// out (Z, d, V, L) from q (Z, G, d, L), k, v (Z, M, d, Lkv), gl (Z, M, G, L) or None,
-// rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L, J) or None.
-Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& gl,
+// out (Z, d, V, L) from q (Z, G, d, L), k, v (Z, M, d, Lkv), emb (R, c) and gidx (1 or V,
+// G, M) or None, rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L,
+// J) or None.
+Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
+               const OptTensor& gidx,
                const OptTensor& rho, const OptTensor& offsets, const Tensor& nb,
                const OptTensor& valid, bool single, int64_t n, int64_t threshold,
                int64_t seed) {
-  check(q, k, v, gl, rho, offsets, nb, valid, single, n);
+  check(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n);
   Tensor out = at::empty({q.size(0), q.size(2), n, q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_forward", [&] {
     using S = scalar_t;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, gl, rho, offsets, nb, valid, single, n, threshold, seed);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed);
     const int64_t tiles = (p.L + T - 1) / T;
     S* o = out.data_ptr<S>();
     at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -795,19 +824,21 @@ Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTenso
   return out;
 }
 
-// dq, dk, dv, dgl, drho (each laid out as its input; undefined when absent) from grad_out
+// dq, dk, dv, demb, drho (each laid out as its input; undefined when absent) from grad_out
 // (Z, d, V, L) and the forward's inputs.
 std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                             const Tensor& v, const OptTensor& gl, const OptTensor& rho,
+                             const Tensor& v, const OptTensor& emb, const OptTensor& gidx,
+                             const OptTensor& rho,
                              const OptTensor& offsets, const Tensor& nb, const OptTensor& valid,
                              bool single, int64_t n, int64_t threshold, int64_t seed) {
-  check(q, k, v, gl, rho, offsets, nb, valid, single, n);
+  check(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n);
   TORCH_CHECK(grad_out.is_contiguous() &&
                   grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(2), n, q.size(3)}),
               "grad_out must be contiguous (Z, d, V, L)");
   Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  Tensor dgl = gl ? at::empty_like(*gl) : Tensor();
   const int64_t threads = at::get_num_threads();
+  Tensor demb_parts = emb ? at::zeros({threads, emb->size(0), emb->size(1)}, q.options())
+                          : Tensor();
   Tensor drho_parts =
       rho ? at::zeros({threads, rho->size(0), rho->size(1), rho->size(2)}, q.options())
           : Tensor();
@@ -815,14 +846,13 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     using S = scalar_t;
     using V = typename Tile<S>::V;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, gl, rho, offsets, nb, valid, single, n, threshold, seed);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed);
     const S* go = grad_out.data_ptr<S>();
     const int64_t rho_size = rho ? rho->numel() : 0;
     at::parallel_for(0, p.Z, 1, [&](int64_t begin, int64_t end) {
       Tile<S> tl(p, true);
       S* drho = rho ? drho_parts.data_ptr<S>() + at::get_thread_num() * rho_size : nullptr;
-      const Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>(), dv.data_ptr<S>(),
-                        gl ? dgl.data_ptr<S>() : nullptr, drho};
+      const Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>(), dv.data_ptr<S>(), drho};
       std::vector<V> drho_local(rho && !offsets ? p.V * p.J * p.e : 0);  // zeros
       for (int64_t z = begin; z < end; ++z)
         for (int64_t i0 = 0; i0 < p.L; i0 += T) {
@@ -832,10 +862,16 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
         }
       for (size_t a = 0; a < drho_local.size(); ++a)
         for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];
+      if (emb) {
+        S* demb = demb_parts.data_ptr<S>() + at::get_thread_num() * p.R * p.c;
+        for (int64_t a = 0; a < p.R * p.c; ++a)
+          for (int64_t t = 0; t < T; ++t) demb[a] += tl.demb[a][t];
+      }
     });
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();
-  return {dq, dk, dv, dgl, drho};
+  Tensor demb = emb ? demb_parts.sum(0) : Tensor();
+  return {dq, dk, dv, demb, drho};
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROFILE_FILE = "profile.md"
@@ -62,16 +63,51 @@ def _operator_part(name: str) -> str:
     return "other step operators"
 
 
-def charge(events) -> dict[str, float]:
-    """Seconds per part of :data:`PARTS` from the profiler's events of one thread (each with
-    ``name``, ``self_cpu_time_total`` and ``cpu_time_total`` in microseconds and
-    ``cpu_children``), walked from the top-level ones."""
+@dataclass
+class Span:
+    """One profiled range or operator: its name, start and end (ns), and the spans directly
+    inside it on the same thread."""
+
+    name: str
+    start: int
+    end: int
+    children: list[Span] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return (self.end - self.start) / 1e9
+
+    @property
+    def own(self) -> float:
+        """Seconds not covered by a child."""
+        return self.total - sum(child.total for child in self.children)
+
+
+def nest(intervals) -> list[Span]:
+    """The top-level spans of ``(name, start_ns, end_ns)`` intervals of one thread, each
+    holding the spans nested in it (an interval lies inside the last open one that ends no
+    earlier)."""
+    roots: list[Span] = []
+    open_: list[Span] = []
+    for name, start, end in sorted(intervals, key=lambda t: (t[1], -t[2])):
+        span = Span(name, start, end)
+        while open_ and open_[-1].end < end:
+            open_.pop()
+        (open_[-1].children if open_ else roots).append(span)
+        open_.append(span)
+    return roots
+
+
+def charge(roots: list[Span]) -> dict[str, float]:
+    """Seconds per part of :data:`PARTS` from the top-level spans of one thread: a kernel
+    range whole, an operator inside the forward and backward by its name, any other span's
+    own time by the phase it lies in."""
     out = dict.fromkeys(PARTS, 0.0)
 
-    def walk(event, phase: str | None) -> None:
-        name = event.name
+    def walk(span: Span, phase: str | None) -> None:
+        name = span.name
         if name in ("gsa.kernel.forward", "gsa.kernel.backward"):
-            out[_RANGES[name]] += event.cpu_time_total / 1e6  # the kernel, whole
+            out[_RANGES[name]] += span.total  # the kernel, whole
             return
         if name in _RANGES:
             phase = _RANGES[name]
@@ -81,14 +117,30 @@ def charge(events) -> dict[str, float]:
             part = "other step operators" if name in _STEP else _operator_part(name)
         else:
             part = phase or "setup, test and figures"
-        out[part] += event.self_cpu_time_total / 1e6
-        for child in event.cpu_children:
+        out[part] += span.own
+        for child in span.children:
             walk(child, phase)
 
-    for event in events:
-        if event.cpu_parent is None:
-            walk(event, None)
+    for root in roots:
+        walk(root, None)
     return out
+
+
+def _main_thread(prof) -> list[Span]:
+    """The spans of the thread that ran the training loop (the one with the most phase
+    ranges), read from the profiler's raw events: seconds for a run's million events, where
+    building torch's event objects takes minutes."""
+    threads: dict[int, list[tuple[str, int, int]]] = {}
+    for event in prof.profiler.kineto_results.events():
+        start = event.start_ns()
+        threads.setdefault(event.start_thread_id(), []).append(
+            (event.name(), start, start + event.duration_ns())
+        )
+    if not threads:
+        return []
+    marked = {thread: sum(name in _RANGES or name in _STEP for name, _, _ in intervals)
+              for thread, intervals in threads.items()}  # fmt: skip
+    return nest(threads[max(marked, key=marked.get)])
 
 
 @contextmanager
@@ -111,12 +163,7 @@ def profiled(directory: Path, *, enabled: bool) -> Iterator[None]:
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
-    events = list(prof.events())
-    marked = [e.thread for e in events if e.name in _RANGES or e.name in _STEP]
-    if marked:  # the thread that ran the training loop
-        main = max(set(marked), key=marked.count)
-        events = [e for e in events if e.thread == main]
-    parts = charge(events)
+    parts = charge(_main_thread(prof))
     parts["setup, test and figures"] += max(wall - sum(parts.values()), 0.0)
     text = format_profile(parts, wall, cpu)
     (directory / PROFILE_FILE).write_text(text)

@@ -1,0 +1,32 @@
+"""The profile's arithmetic: raw intervals nested into spans, and seconds charged per part."""
+
+from __future__ import annotations
+
+import pytest
+
+from symattn_cli.train.profile import PARTS, charge, nest
+
+
+def test_intervals_nest_by_time_and_parts_take_own_time():
+    ns = 1_000_000_000
+    intervals = [  # (name, start, end) in ns, unordered as a profiler may give them
+        ("train.optimizer", 100 * ns, 150 * ns),
+        ("aten::conv2d", 10 * ns, 40 * ns),
+        ("train.forward", 0, 100 * ns),
+        ("aten::convolution", 12 * ns, 39 * ns),
+        ("gsa.kernel.forward", 50 * ns, 90 * ns),
+        ("aten::inside_the_kernel", 60 * ns, 70 * ns),
+        ("aten::add_", 110 * ns, 120 * ns),
+        ("aten::copy_", 150 * ns, 160 * ns),  # starts as the optimizer ends: not inside it
+    ]
+    roots = nest(intervals)
+    assert [r.name for r in roots] == ["train.forward", "train.optimizer", "aten::copy_"]
+    assert [c.name for c in roots[0].children] == ["aten::conv2d", "gsa.kernel.forward"]
+    parts = charge(roots)
+    assert set(parts) == set(PARTS)
+    assert parts["attention kernel forward"] == pytest.approx(40)  # whole, children included
+    assert parts["1x1 projections (convolutions)"] == pytest.approx(30)
+    assert parts["other step operators"] == pytest.approx(30)  # the forward's own time
+    assert parts["optimizer"] == pytest.approx(50)
+    assert parts["setup, test and figures"] == pytest.approx(10)  # outside every phase
+    assert sum(parts.values()) == pytest.approx(160)

@@ -9,6 +9,7 @@ of the other columns, mean ± std. Agg backend, so no display is needed.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,7 +134,7 @@ def plot_trend(groups: Sequence[RunGroup], metrics: Sequence[str], x: str, path:
     """``path`` with one panel per metric against column ``x``: a line per label of the other
     columns, at the mean with ± std error bars; ``None`` when there is nothing to draw. The x
     axis places the distinct values in order, evenly spaced (a count of 0 under a ``num_*`` key
-    is the full split: "0 (all)")."""
+    is the full split: "0 (all)", placed last)."""
     if not groups or not metrics:
         return None
     import matplotlib
@@ -142,12 +143,12 @@ def plot_trend(groups: Sequence[RunGroup], metrics: Sequence[str], x: str, path:
     import matplotlib.pyplot as plt
 
     numbers = trend_values(groups, x)
-    order = sorted(set(numbers.values()))
+    full = x.rsplit(".", 1)[-1].startswith("num_")  # 0 counts the whole split: the largest
+    order = sorted(set(numbers.values()), key=lambda v: math.inf if full and v == 0 else v)
     lines: dict[str, list[RunGroup]] = {}
     for group in groups:
         rest = ", ".join(v for k, v in group.label.items() if k != x) or "all runs"
         lines.setdefault(rest, []).append(group)
-    full = x.rsplit(".", 1)[-1].startswith("num_")
     ticks = [f"{v:g}" + (" (all)" if full and v == 0 else "") for v in order]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.0), squeeze=False)
     colours = _colours(len(lines))

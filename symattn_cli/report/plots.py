@@ -103,12 +103,7 @@ def plot_curves(groups: Sequence[RunGroup], metrics: Sequence[str], path: Path,
         ax.set_ylabel(header(metric))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="best")
-    caption = f"{title}\n" if title else ""
-    fig.suptitle(_wrap(caption + "mean over runs, band ± std", fig), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path, title, "mean over runs, band ± std")
 
 
 def trend_values(groups: Sequence[RunGroup], x: str) -> dict[str, float]:
@@ -169,8 +164,15 @@ def plot_trend(groups: Sequence[RunGroup], metrics: Sequence[str], x: str, path:
         ax.set_ylabel(header(metric))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="best")
+    return _save(fig, path, title, "mean ± std over runs")
+
+
+def _save(fig, path: Path, title: str, note: str) -> Path:
+    """Caption ``fig`` with the title and what its marks mean, write it to ``path``, close it."""
+    import matplotlib.pyplot as plt
+
     caption = f"{title}\n" if title else ""
-    fig.suptitle(_wrap(caption + "mean ± std over runs", fig), fontsize=8)
+    fig.suptitle(_wrap(caption + note, fig), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -151,47 +151,72 @@ class Launch:
     dtype: str
 
 
-def launches(call: Call) -> list[Launch]:
-    """The forward and backward launches of the Triton kernels for ``call``."""
+KERNELS = ("triton", "triton_tiles")  # the attention backends with Triton kernels
+
+
+def launches(call: Call, backend: str = "triton") -> list[Launch]:
+    """The forward and backward launches of ``backend``'s Triton kernels for ``call``."""
     import torch
 
     import symattn_cli.nn.gsa.core as core
     from symattn_cli.nn.gsa import triton as gsa_triton
+    from symattn_cli.nn.gsa import triton_tiles
     from symattn_cli.nn.gsa.common import DROP_STEPS
 
+    if backend not in KERNELS:
+        raise ConfigError(f"attention backend {backend!r} has no Triton kernel; choose from "
+                          f"{', '.join(KERNELS)}")  # fmt: skip
     single = call.form == "single"
     q, k, v, rho = (None if t is None else t.contiguous() for t in
                     (call.q, call.k, call.v, call.rho))  # fmt: skip
-    gl = core.group_logits(q, call.group_rho, single)
     threshold = round(call.drop * DROP_STEPS)
     rest = (call.offsets, call.neighbour.contiguous(),
             None if call.valid is None else call.valid.contiguous(), single, call.n, threshold,
             0x123456789)  # fmt: skip
     z, n_q, _, d = q.shape
     out = q.new_empty(z, n_q, call.n, d)
-    grads = tuple(q if t is None else torch.zeros_like(t) for t in (q, k, v, gl, rho))
-    shapes = _sizes(q, k, gl, rho, call.neighbour, call.n, single)
+    go = torch.zeros_like(out)
+    drho = None if rho is None else torch.zeros_like(rho)
+    dqkv = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    if backend == "triton":
+        enc = core.group_logits(q, call.group_rho, single)  # (Z, L, [V,] M, G)
+        lse = gsa_triton.statistics(q, enc, rho, single, call.n)
+        grads = (*dqkv, q if enc is None else torch.zeros_like(enc), q if drho is None else drho)
+        kernels = (
+            gsa_triton.forward_launch(out, lse, q, k, v, enc, rho, *rest),
+            gsa_triton.backward_launch(grads, go, lse, q, k, v, enc, rho, *rest),
+        )
+    else:
+        enc = triton_tiles.encoding(call.group_rho, single)  # (Vg, G, M, c)
+        lse = triton_tiles.statistics(q, enc, rho, single, call.n)
+        kernels = (
+            triton_tiles.forward_launch(out, lse, q, k, v, enc, rho, *rest),
+            triton_tiles.backward_launch((*dqkv, drho), go, lse, q, k, v, enc, rho, *rest),
+        )
     dtype = str(q.dtype).removeprefix("torch.")
     result = []
-    lse = gsa_triton.statistics(q, gl, rho, single, call.n)
-    for name, (fn, grid, args, meta) in (
-        ("forward", gsa_triton.forward_launch(out, lse, q, k, v, gl, rho, *rest)),
-        ("backward", gsa_triton.backward_launch(grads, torch.zeros_like(out), lse, q, k, v, gl,
-                                                rho, *rest)),
-    ):  # fmt: skip
+    for name, (fn, grid, args, meta) in zip(("forward", "backward"), kernels, strict=True):
+        shapes = _sizes(q, k, enc, rho, call.neighbour, call.n, single, fn, args)
         result.append(Launch(call.layer, name, fn, grid, args, meta,
                              useful_flops(shapes, name), dram_bytes(shapes, name, q.element_size()),
                              dtype))  # fmt: skip
     return result
 
 
-def _sizes(q, k, gl, rho, neighbour, n, single) -> dict[str, Any]:
+def _sizes(q, k, enc, rho, neighbour, n, single, fn, args) -> dict[str, Any]:
+    """The sizes the bounds need; ``enc``: the group logits (``triton``) or the group encoding
+    (``triton_tiles``) as the kernel reads it; the index tables the kernel reads, in bytes."""
     z, n_q, g, d = q.shape
+    gl_v = enc is not None and (enc.dim() == 5 or enc.dim() == 4 and enc.shape[0] > 1)
+    values = dict(zip(fn.arg_names, args, strict=False))
+    tables = [values[name] for name in ("nb_ptr", "off_ptr", "valid_ptr", "halo_ptr", "slot_ptr",
+                                        "row_ptr") if name in values]  # fmt: skip
+    tables = {t.data_ptr(): t.numel() * t.element_size() for t in tables}
     return dict(Z=z, L=n_q, Lkv=k.shape[1], G=g, M=k.shape[2], d=d, J=neighbour.shape[1],
                 e=0 if rho is None else rho.shape[2], D=0 if rho is None else rho.shape[1],
-                V=n, gl=0 if gl is None else gl[0, 0].numel(), single=single,
-                rows=n if gl is not None and gl.dim() == 5 or not (single or rho is None) else 1,
-                gl_v=gl is not None and gl.dim() == 5)  # fmt: skip
+                V=n, enc=0 if enc is None else enc.numel(), single=single,
+                rows=n if gl_v or not (single or rho is None) else 1, gl_v=gl_v,
+                tables=sum(tables.values()))  # fmt: skip
 
 
 def useful_flops(s: dict[str, Any], kernel: str) -> float:
@@ -219,18 +244,18 @@ def useful_flops(s: dict[str, Any], kernel: str) -> float:
 
 def dram_bytes(s: dict[str, Any], kernel: str, size: int) -> float:
     """The bytes a kernel must move at least: each input read once and each output written
-    once (forward: q, k, v, the group logits, rho, the neighbour table in; out; backward: the
-    same and the output gradient in; dq, dk, dv, dgl, drho out)."""
-    Z, L, Lkv, G, M, d, V = s["Z"], s["L"], s["Lkv"], s["G"], s["M"], s["d"], s["V"]
+    once (forward: q, k, v, the group term as the kernel reads it, rho and the index tables
+    in; out and the outer log-sum-exp; backward: the same and the output gradient in; dq, dk,
+    dv and the group term's and rho's gradients out)."""
+    Z, L, Lkv, G, d, V = s["Z"], s["L"], s["Lkv"], s["G"], s["d"], s["V"]
     q = Z * L * G * d
-    kv = 2 * Z * Lkv * M * d
-    gl = Z * L * s["gl"]
+    kv = 2 * Z * Lkv * s["M"] * d
     rho = V * s["D"] * s["e"]
-    out = Z * L * V * d + Z * L * s["G"] * s["rows"]  # and the outer log-sum-exp
-    inputs = (q + kv + gl + rho) * size + L * s["J"] * 9  # neighbour (int64) and valid (int8)
+    out = Z * L * V * d + Z * L * G * s["rows"]  # and the outer log-sum-exp
+    inputs = (q + kv + s["enc"] + rho) * size + s["tables"]
     if kernel == "forward":
         return float(inputs + out * size)
-    return float(inputs + out * size + (q + kv + gl + rho) * size)
+    return float(inputs + out * size + (q + kv + s["enc"] + rho) * size)
 
 
 # ---------------------------------------------------------------- compiling and reading SASS
@@ -486,11 +511,32 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def report(case, arch: int = 90) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def _fresh_cache() -> Iterator[None]:
+    """Compiles into an empty Triton cache: a cached binary's line information names the file
+    and lines it was compiled from, which need not be today's sources (another checkout, an
+    edit above the kernel), and the trip counts are read from those lines."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="symattn-static-") as folder:
+        os.environ["TRITON_CACHE_DIR"] = folder
+        linecache.checkcache()
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
+
+
+def report(case, arch: int = 90, backend: str = "triton") -> list[dict[str, Any]]:
     """The report's rows for every attention launch of ``case`` (forward and backward of each
-    layer), then a total row per kernel and fwd+bwd (times summed; occupancy the lowest)."""
+    layer) by ``backend``'s kernels, then a total row per kernel and fwd+bwd (times summed;
+    occupancy the lowest)."""
     gpu_for(arch)
-    rows = [analyse(launch, arch) for call in attention_calls(case) for launch in launches(call)]
+    with _fresh_cache():
+        rows = [analyse(launch, arch) for call in attention_calls(case)
+                for launch in launches(call, backend)]  # fmt: skip
     totals = []
     for kernel in ("forward", "backward", "fwd+bwd"):
         part = [r for r in rows if kernel in ("fwd+bwd", r["kernel"])]

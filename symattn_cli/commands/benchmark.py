@@ -290,18 +290,34 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     console = Console(width=None if sys.stdout.isatty() else 250)
     print(f"benchmark preset=gpu-static: {len(cases)} cases compiled for sm_{cfg.arch}; "
           f"estimates, not measurements; {static.assumptions(cfg.arch)}", flush=True)  # fmt: skip
-    rows, summary = [], {}
+    backends = list(cfg.attention_backends) or ["triton"]
+    for backend in backends:
+        if backend not in static.KERNELS:
+            raise ConfigError(f"attention_backends: {backend!r} has no Triton kernel; choose "
+                              f"from {', '.join(static.KERNELS)}")  # fmt: skip
+    rows, summary, totals = [], {}, {}
     for index, case in enumerate(cases):
-        label = f"{case.name} {case.query_form} {case.group_index} b{case.batch}"
-        case_rows = [{"case": label, **row} for row in static.report(case, cfg.arch)]
-        rows += case_rows
-        console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
-        for row in case_rows:
-            if row["layer"] == "total":
-                key = f"case{index}_{row['kernel'].replace('+', '_')}"
-                for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions"):
-                    summary[f"{key}_{column}"] = row[column]
-                summary[f"{key}_min_occupancy"] = row["occupancy"]
+        for which, backend in enumerate(backends):
+            label = f"{case.name} {case.query_form} {case.group_index} b{case.batch} {backend}"
+            case_rows = [{"case": label, "attention_backend": backend, **row}
+                         for row in static.report(case, cfg.arch, backend)]  # fmt: skip
+            rows += case_rows
+            console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
+            for row in case_rows:
+                if row["layer"] == "total":
+                    kernel = row["kernel"].replace("+", "_")
+                    key = f"case{index}_" + (f"{backend}_" if which else "") + kernel
+                    for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions"):
+                        summary[f"{key}_{column}"] = row[column]
+                    summary[f"{key}_min_occupancy"] = row["occupancy"]
+                    totals[index, backend, row["kernel"]] = row["issue_ms"]
+        if len(backends) > 1:  # side by side: each backend's issue bound over the first's
+            first = backends[0]
+            for backend in backends[1:]:
+                ratios = ", ".join(
+                    f"{kernel} {totals[index, first, kernel] / totals[index, backend, kernel]:.2f}x"
+                    for kernel in ("forward", "backward", "fwd+bwd"))  # fmt: skip
+                console.print(f"issue bound, {first} over {backend}: {ratios}")
     summary.update(cases=float(len(cases)), arch=float(cfg.arch),
                    seconds=time.perf_counter() - started)  # fmt: skip
     path = write_results_file(directory / RUN_FILE, command="benchmark", config_yaml=to_yaml(cfg),

@@ -51,18 +51,22 @@ def test_unrolled_loops_share_the_trip_count(tmp_path: Path):
 
 
 def test_useful_flops_and_bytes_of_a_layer():
-    sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, gl=6, single=False, rows=2,
-                 gl_v=False)  # fmt: skip
+    sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, enc=6, single=False,
+                 rows=2, gl_v=False, tables=100)  # fmt: skip
     # content, W and spatial, out: J M G d twice, K J G e, K J G d
     assert static.useful_flops(sizes, "forward") == 2 * (2 * 120 + 2 * 5 * 2 * 2 + 2 * 5 * 2 * 4)
     assert static.useful_flops(sizes, "backward") == 2 * static.useful_flops(sizes, "forward")
-    assert static.dram_bytes(sizes, "forward", 4) > 0
+    # in: q 8, k and v 24, the group term 6, rho 20 numbers and 100 bytes of tables; out: 8 + 4
+    assert static.dram_bytes(sizes, "forward", 4) == (8 + 24 + 6 + 20) * 4 + 100 + 12 * 4
+    # and the gradients of the inputs
+    assert static.dram_bytes(sizes, "backward", 4) == 380 + (8 + 24 + 6 + 20) * 4
 
 
 @pytest.mark.slow
 def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     """The z2 net at batch 1: the lifting and four group layers, forward and backward each,
-    compiled for sm_90, with the totals; a row per launch in the run file."""
+    by both Triton kernels, compiled for sm_90, with the totals; a row per launch in the run
+    file; the issue bounds side by side."""
     from triton.backends import backends
 
     if "nvidia" not in backends:
@@ -70,17 +74,21 @@ def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     out = workdir / "run"
     result = run_symattn(
         "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+        "attention_backends=[triton,triton_tiles]",
         "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "H100" in result.stdout and "estimates" in result.stdout
     rows = read_table(out / "run.h5", "static")
+    assert "issue bound, triton over triton_tiles" in result.stdout
     layers = rows["layer"] != "total"
     assert set(rows["kernel"][layers]) == {"forward", "backward"}
-    assert layers.sum() == 2 * 6 and (~layers).sum() == 3  # six attention layers
+    assert set(rows["attention_backend"]) == {"triton", "triton_tiles"}
+    assert layers.sum() == 2 * 2 * 6 and (~layers).sum() == 2 * 3  # six attention layers
     for column in ("regs", "programs", "instructions_per_program", "issue_ms", "flop_ms",
                    "dram_ms"):  # fmt: skip
         assert np.all(rows[column][layers] > 0), column
     assert np.all((rows["occupancy"] > 0) & (rows["occupancy"] <= 1))
     summary = read_summary(out / "run.h5")
     assert summary["arch"] == 90 and summary["case0_fwd_bwd_issue_ms"] > 0
+    assert summary["case0_triton_tiles_fwd_bwd_issue_ms"] > 0

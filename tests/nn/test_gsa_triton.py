@@ -157,13 +157,15 @@ def test_backward_takes_a_non_contiguous_output_gradient(device):
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param("lifting", marks=pytest.mark.slow), "group_sum", "group_single",
-             pytest.param("network", marks=pytest.mark.slow)]
+    ("kind", "backend"),
+    [pytest.param("lifting", "triton", marks=pytest.mark.slow), ("group_sum", "triton"),
+     ("group_single", "triton"), pytest.param("network", "triton", marks=pytest.mark.slow),
+     ("group_sum", "triton_tiles"), ("group_single", "triton_tiles")],
 )  # fmt: skip
 def test_layers_agree_with_the_cpu_kernel_and_are_exactly_equivariant(
-    kind, device, monkeypatch, kernel
+    kind, backend, device, monkeypatch, kernel
 ):
-    """z4m (rotations and mirrors: 8 grid-exact elements) on a 3 x 3 image: the Triton kernel
+    """z4m (rotations and mirrors: 8 grid-exact elements) on a 3 x 3 image: each Triton kernel
     gives the C++ kernel's values and gradients in float64, with attention dropout on (the same
     masks), and the layer is exactly equivariant for every element."""
     module, x = build_probe(get_group("z4m"), kind, image_size=3, heads=1, dtype=torch.float64)
@@ -174,7 +176,9 @@ def test_layers_agree_with_the_cpu_kernel_and_are_exactly_equivariant(
     cpu_out, *cpu_grads = values_and_gradients(module, x)
     asked = []
     monkeypatch.setattr(
-        core, "backend_for", lambda device, dtype=None, backend="auto": asked.append(1) or "triton"
+        core,
+        "backend_for",
+        lambda device, dtype=None, backend_="auto", **_: asked.append(1) or backend,
     )
     out, *grads = (t.cpu() for t in values_and_gradients(module.to(device), x.to(device)))
     assert asked  # the core did take the Triton kernel
@@ -237,17 +241,22 @@ def compile_for_gpu(arch: int = 90) -> None:
         q, k, v, g_rho = (None if t is None else t.to(dtype) for t in (q, k, v, g_rho))
         call = static.Call("layer", q, k, v, g_rho, rho.to(dtype) if spatial else None, offsets,
                            nb, valid, form, n, drop)  # fmt: skip
-        for launch in static.launches(call):
-            compiled = static.compile_launch(launch, arch)
-            assert compiled.asm["cubin"], (form, shape, launch.kernel)
-            print(f"compiled {launch.kernel} {form} {shape} {dtype} for sm_{arch}", flush=True)
+        for backend in static.KERNELS:
+            for launch in static.launches(call, backend):
+                compiled = static.compile_launch(launch, arch)
+                assert compiled.asm["cubin"], (backend, form, shape, launch.kernel)
+                print(f"compiled {backend} {launch.kernel} {form} {shape} {dtype} for sm_{arch}",
+                      flush=True)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_a_gpu():
     """The compiler accepts what the interpreter runs: every layer kind's forward and backward,
-    compiled for an H100 (sm_90) in a process where Triton runs compiled."""
+    by both Triton kernels, compiled for an H100 (sm_90) in a process where Triton runs
+    compiled."""
     from triton.backends import backends
+
+    from symattn_cli.bench import static
 
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
@@ -256,7 +265,7 @@ def test_kernels_compile_for_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 2 * len(COMPILED)
+    assert done.stdout.count("compiled") == 2 * len(COMPILED) * len(static.KERNELS)
 
 
 # ------------------------------------------------------------------ on a GPU

@@ -53,6 +53,10 @@ values, and none imports it:
               query, the same equations, its backward recomputing them from the outer
               softmax's log-sum-exp that the forward keeps; CUDA tensors (CPU tensors only in
               Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+  ``triton_tiles`` (:mod:`.triton_tiles`, :mod:`.triton_tiles_kernel`) the GPU kernel
+              reshaped: a tile of queries a program over their neighbours' halo, both
+              products as matrix products (``tl.dot``), the group logits formed in the kernel
+              from the encoding; on the same devices as ``triton``, chosen by name only.
   ``torch``   (:mod:`.torch`) the same algorithm in plain PyTorch over chunks of queries, each
               recomputed in the backward (activation checkpointing): any device.
 :func:`~symattn_cli.nn.gsa.dense.dense_attention` (:mod:`.dense`) is the reference algorithm
@@ -66,12 +70,12 @@ from typing import Any
 
 import torch
 
-from symattn_cli.nn.gsa import cpp, triton
+from symattn_cli.nn.gsa import cpp, triton, triton_tiles
 from symattn_cli.nn.gsa.common import DROP_STEPS
 from symattn_cli.nn.gsa.torch import torch_attention
 
 FORMS = ("sum", "single")
-BACKENDS = ("auto", "cpp", "triton", "torch")
+BACKENDS = ("auto", "cpp", "triton", "triton_tiles", "torch")
 
 
 def group_logits(q: torch.Tensor, group_rho: torch.Tensor | None, single: bool = False):
@@ -182,6 +186,12 @@ def factorised_attention(
         return out * (1.0 / (1.0 - drop)) if drop > 0 else out
     if group_rho is not None and group_index is not None:
         group_rho = group_rho[group_index]
+    if which == "triton_tiles":  # the kernel forms the group logits; half precision in float32
+        dtype = q.dtype
+        wide = (_widen(t) for t in (q, k, v, group_rho, rho))
+        out = triton_tiles.tiled_attention(*wide, offsets, neighbour, valid, single, n,
+                                           threshold, seed).to(dtype)  # fmt: skip
+        return out * (1.0 / (1.0 - drop)) if drop > 0 else out
     gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
     if which == "triton":  # half precision is computed in float32
         dtype = q.dtype

@@ -1,0 +1,262 @@
+"""The ``triton_tiles`` backend of the attention core: the tiled Triton kernel
+(:mod:`symattn_cli.nn.gsa.triton_tiles_kernel`: a tile of queries a program, their neighbours'
+halo, both products as matrix products) as an autograd function. It runs where the ``triton``
+backend runs (CUDA, or CPU tensors in Triton's interpreter for tests) and takes the group
+encoding itself, not the group logits.
+
+The dispatcher hands over float32 or float64 tensors (half precision widened). dk, dv and
+drho are summed by atomic adds, so on a GPU their last bits vary from run to run; d grho is
+summed per program and then over programs in a fixed order.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from symattn_cli.nn.gsa.triton import ENV, available, interpreted
+
+# Numbers in a block's largest tensor, (BQ, BG or R, BH, BM), held in registers: sized so that
+# the backward with a v-dependent group term compiles without register spills.
+BLOCK_ELEMENTS = 1024
+# tl.dot takes operands of at least 16 along every axis
+DOT_MIN = 16
+NUM_WARPS = 4
+# float32 products on tensor cores at float32 accuracy (three TF32 products); float64 exact
+PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
+
+_MASK32 = 0xFFFFFFFF
+_NONE = torch.iinfo(torch.int64).max
+
+
+def kernels() -> ModuleType:
+    """The kernel module (imports Triton)."""
+    from symattn_cli.nn.gsa import triton_tiles_kernel
+
+    return triton_tiles_kernel
+
+
+def _power2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _rows(single: bool, rho, n: int, gl_v: bool) -> int:
+    """T: the rows of the outer logits."""
+    return n if gl_v or not (single or rho is None) else 1
+
+
+def encoding(group_rho, single: bool):
+    """The group encoding as the kernels read it, ``(Vg, G, M, c)`` (Vg = V when it depends on
+    the output element, else 1), from ``(G, M, c)`` or ``(V, G, M, c)``; in the single form
+    (g = v) the diagonal ``(1, G, M, c)``; None stays None."""
+    if group_rho is None:
+        return None
+    if group_rho.dim() == 4 and single:
+        group_rho = torch.diagonal(group_rho, dim1=0, dim2=1).permute(2, 0, 1)
+    return (group_rho if group_rho.dim() == 4 else group_rho[None]).contiguous()
+
+
+def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int) -> dict[str, int]:
+    """Block sizes: BQ queries a tile and BH halo points a block, powers of two, such that both
+    products have operands of at least :data:`DOT_MIN` a side and the largest block tensor
+    holds about :data:`BLOCK_ELEMENTS` numbers; ``rows``: R, the output rows a query."""
+    bg, bm, br = _power2(g), _power2(m), _power2(rows)
+    bq = max(1, DOT_MIN // min(bg, br))
+    bh = max(_power2(-(-DOT_MIN // bm)), BLOCK_ELEMENTS // (bq * max(bg, br) * bm))
+    return dict(
+        BQ=bq, BH=bh, BG=bg, BM=bm, BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=_power2(e), BR=br
+    )
+
+
+def tile_maps(neighbour, valid, offsets, bq: int, bh: int):
+    """The tiles of BQ consecutive queries and their halos: ``halo (NT, H)`` the key points
+    (a point once for each time one query lists it; -1 pads to a multiple of BH), ``slot (NT,
+    BQ, H)`` which neighbour j of query iq each halo entry is (-1: none) and, with
+    ``offsets``, ``row (NT, BQ, H)`` its row of rho (else None). Invalid neighbours are left
+    out."""
+    n_q, j = neighbour.shape
+    dev = neighbour.device
+    nb = neighbour.long()
+    # the k-th listing of a point by a query is key (point, k): a repeated neighbour counts twice
+    ordered, perm = torch.sort(nb, dim=1, stable=True)
+    at = torch.arange(j, device=dev).expand(n_q, j)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    start = torch.where(first, at, 0).cummax(dim=1).values
+    rank = torch.empty_like(nb).scatter_(1, perm, at - start)
+    key = nb * j + rank
+    if valid is not None:
+        key = key.masked_fill(~valid, _NONE)
+    n_t = -(-n_q // bq)
+    pad = n_t * bq - n_q
+    if pad:
+        key = torch.cat([key, key.new_full((pad, j), _NONE)])
+    keys = key.view(n_t, bq * j)
+    ordered = keys.sort(dim=1).values
+    new = ordered != _NONE
+    new[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    count = int(new.sum(dim=1).max()) if n_t else 0
+    h = max(bh, -(-count // bh) * bh)
+    place = torch.where(new, new.cumsum(dim=1) - 1, h)
+    halo = keys.new_full((n_t, h + 1), _NONE).scatter_(1, place, ordered)[:, :h].contiguous()
+    points = torch.where(halo == _NONE, -1, halo // j).to(torch.int32)
+    listed = keys != _NONE
+    place = torch.where(listed, torch.searchsorted(halo, keys), h).view(n_t, bq, j)
+
+    def spread(values):
+        out = torch.full((n_t, bq, h + 1), -1, dtype=torch.int32, device=dev)
+        out.scatter_(2, place, values.to(torch.int32).expand(n_t, bq, j))
+        return out[..., :h].contiguous()
+
+    slot = spread(torch.arange(j, device=dev).view(1, 1, j))
+    row = None
+    if offsets is not None:
+        off = offsets.long()
+        if pad:
+            off = torch.cat([off, off.new_zeros(pad, j)])
+        row = spread(off.view(n_t, bq, j))
+    return points, slot, row
+
+
+def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int, threshold: int,
+            seed: int):  # fmt: skip
+    """The kernels' tile maps, size arguments and block sizes."""
+    _, n_q, g, d = q.shape
+    n_kv, m = k.shape[1:3]
+    j = neighbour.shape[1]
+    gl_v = grho is not None and grho.shape[0] > 1
+    c = 0 if grho is None else grho.shape[-1]
+    e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
+    rows = _rows(single, rho, n, gl_v)
+    blocks = tile_sizes(g, m, g if single else rows, d, c, e)
+    blocks["BT"] = _power2(rows)
+    blocks["BV"] = _power2(n)
+    halo, slot, row = tile_maps(neighbour, valid, offsets, blocks["BQ"], blocks["BH"])
+    sizes = (n_q, n_kv, halo.shape[0], halo.shape[1], j, m, g, d, c, e, distinct, n, rows,
+             seed & _MASK32, (seed >> 32) & _MASK32, threshold)  # fmt: skip
+    return (halo, slot, slot if row is None else row), sizes, blocks
+
+
+class TiledAttention(torch.autograd.Function):
+    """The kernel's forward and backward (arguments: see :func:`triton_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
+        ctx.args = (offsets, neighbour, valid, single, n, threshold, seed)
+        z, n_q, _, d = q.shape
+        out = q.new_empty(z, n_q, n, d)
+        lse = statistics(q, grho, rho, single, n)
+        if out.numel():
+            kernel, grid, args, meta = forward_launch(out, lse, q, k, v, grho, rho, *ctx.args)
+            kernel[grid](*args, **meta)
+        ctx.save_for_backward(q, k, v, grho, rho, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, grho, rho, lse = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        drho = None if rho is None else torch.zeros_like(rho)
+        dgrho = None
+        z, n_q = q.shape[:2]
+        if z * n_q:
+            kernel, grid, args, meta = backward_launch(
+                (dq, dk, dv, drho), grad_out, lse, q, k, v, grho, rho, *ctx.args
+            )
+            kernel[grid](*args, **meta)
+            if grho is not None:  # each program's part, summed in a fixed order
+                dgrho = args[3].sum(dim=0)
+        elif grho is not None:
+            dgrho = torch.zeros_like(grho)
+        return dq, dk, dv, dgrho, drho, *(None,) * 7
+
+
+def statistics(q, grho, rho, single: bool, n: int):
+    """An empty tensor for the outer softmax's log-sum-exp, ``(Z, L, T, G)``, which the
+    forward writes and the backward reads."""
+    z, n_q, g, _ = q.shape
+    gl_v = grho is not None and grho.shape[0] > 1
+    return q.new_empty(z, n_q, _rows(single, rho, n, gl_v), g)
+
+
+def forward_launch(out, lse, q, k, v, grho, rho, *rest):
+    """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
+    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`); ``rest``:
+    ``offsets, neighbour, valid, single, n, threshold, seed``."""
+    program, grid, args, meta = _program(q, k, v, grho, rho, *rest)
+    return program.attention_forward, grid, (out, lse, *args), meta
+
+
+def backward_launch(grads, grad_out, lse, q, k, v, grho, rho, *rest):
+    """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
+    dk, dv, drho: zeroed; None for an absent one) and each program's d grho (a new tensor,
+    argument 3) from ``grad_out`` ``(Z, L, V, d)`` and the forward's ``lse``."""
+    program, grid, args, meta = _program(q, k, v, grho, rho, *rest)
+    if meta["BR"] == 1:  # every v had the same output row: their gradients add up
+        grad_out = grad_out.sum(dim=2, keepdim=True)
+    grad_out = grad_out.contiguous()
+    dq, dk, dv, drho = grads
+    dgrho = q if grho is None else q.new_zeros(grid[0], *grho.shape)
+    args = (dq, dk, dv, dgrho, q if drho is None else drho, grad_out, lse, *args,
+            grad_out.shape[2])  # fmt: skip
+    return program.attention_backward, grid, args, meta
+
+
+def _program(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    """The kernel module, the grid, the kernels' common arguments and their compile-time ones.
+    Absent tensors are replaced by a stand-in that is never read."""
+    maps, sizes, blocks = _launch(q, k, grho, rho, neighbour, offsets, valid, single, n,
+                                  threshold, seed)  # fmt: skip
+    args = (q, k, v, q if grho is None else grho, q if rho is None else rho, *maps, *sizes)
+    flags = dict(
+        HAS_GL=grho is not None, GL_V=grho is not None and grho.shape[0] > 1,
+        HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None, SINGLE=single,
+        DROP=threshold > 0, PRECISION=PRECISION[q.dtype],
+    )  # fmt: skip
+    grid = (q.shape[0] * maps[0].shape[0],)
+    return kernels(), grid, args, {**flags, **blocks, "num_warps": NUM_WARPS}
+
+
+def tiled_attention(q, k, v, group_rho, rho, offsets, neighbour, valid, single, n, threshold,
+                    seed):  # fmt: skip
+    """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the tiled kernel, without
+    the 1 / (1 - drop) rescaling: ``(Z, L, V, d)``. ``group_rho`` ``(G, M, c)``, or ``(V, G,
+    M, c)`` where it depends on the output element v, or None: the group encoding on q's last
+    c channels (the kernel forms the group logits); dropout keeps an entry whose 15-bit hash
+    is at least ``threshold``. float32 or float64 CUDA tensors, or CPU tensors in Triton's
+    interpreter."""
+    if not available():
+        raise ValueError(
+            "attention backend 'triton_tiles' needs Triton, which ships with PyTorch's CUDA wheels "
+            "(or pip install triton); use attention_backend=torch"
+        )
+    device = q.device
+    if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
+        raise ValueError(
+            f"attention backend 'triton_tiles' runs on CUDA tensors, not {device.type} ones (on "
+            f"the CPU only in Triton's interpreter, {ENV}=1 before Triton is imported, which tests "
+            "use); use attention_backend=auto or torch"
+        )
+    if q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"attention backend 'triton_tiles' takes floating-point inputs, not {q.dtype}"
+        )
+    if any(t is not None and t.dtype != q.dtype for t in (k, v, group_rho, rho)):
+        raise ValueError("q, k, v and the encodings must share one dtype")
+    if group_rho is not None and group_rho.dim() == 4 and group_rho.shape[0] != n:
+        raise ValueError(
+            f"a v-dependent group encoding {tuple(group_rho.shape)} needs V = {n} rows"
+        )
+
+    def flat(t):
+        return None if t is None else t.contiguous()
+
+    grho = encoding(group_rho, single)
+    q, k, v, rho = (flat(t) for t in (q, k, v, rho))
+    args = (flat(offsets), flat(neighbour), flat(valid), single, n, threshold, seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return TiledAttention.apply(q, k, v, grho, rho, *args)
+    return TiledAttention.apply(q, k, v, grho, rho, *args)

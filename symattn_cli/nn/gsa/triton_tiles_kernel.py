@@ -180,6 +180,15 @@ def _values(vz, rows, exists, d, BH: tl.constexpr, BM: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
+def _product(a, b, PRECISION: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+             S2: tl.constexpr, S3: tl.constexpr):  # fmt: skip
+    """a b^T ``(S0 S1, S2 S3)`` for a ``(S0 S1, K)`` and b ``(S2 S3, K)``, as ``(S0, S1, S2,
+    S3)``."""
+    product = tl.dot(a, tl.trans(b), input_precision=PRECISION, out_dtype=a.dtype)
+    return tl.reshape(product, (S0, S1, S2, S3))
+
+
+@triton.jit
 def _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
            SINGLE: tl.constexpr, BG: tl.constexpr, BE: tl.constexpr):  # fmt: skip
     """The outer logits t_r = lse + s_r ``(BQ, BG, BH)``, -inf where (i, h) is no neighbour."""
@@ -221,6 +230,30 @@ def _mix(s4, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c, D
     return mixed
 
 
+@triton.jit
+def _again(
+    h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M, G, d,
+    c, s0, s1, threshold, HAS_GL: tl.constexpr, HAS_OFFSETS: tl.constexpr, DROP: tl.constexpr,
+    PRECISION: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr,
+    BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """What both backward passes recompute for a halo block (:func:`_block`): its values,
+    dot products s, dP = GO Val^T ``(BQ, BR, BH, BM)``, the keep mask (a stand-in without
+    dropout), and pi, lse of the group term's row 0."""
+    rows, exists, slot, counts, where, keys = _block(
+        h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
+    )
+    vals = _values(vz, rows, exists, d, BH, BM, BD)
+    s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
+    dmix = _product(go2, vals, PRECISION, BQ, BR, BH, BM)
+    keep = counts[:, None, :, None]
+    if DROP:
+        keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
+    gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
+    pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+    return rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse
+
+
 # The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["s0", "s1", "threshold"])
 def attention_forward(
@@ -253,8 +286,7 @@ def attention_forward(
         rows, exists, slot, counts, where, keys = _block(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
         )
-        s4 = tl.reshape(tl.dot(q2, tl.trans(keys), input_precision=PRECISION, out_dtype=dtype),
-                        (BQ, BG, BH, BM))  # fmt: skip
+        s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
         gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
         _, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
         for r in range(T):
@@ -279,8 +311,7 @@ def attention_forward(
         rows, exists, slot, counts, where, keys = _block(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
         )
-        s4 = tl.reshape(tl.dot(q2, tl.trans(keys), input_precision=PRECISION, out_dtype=dtype),
-                        (BQ, BG, BH, BM))  # fmt: skip
+        s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
         keep = counts[:, None, :, None]  # a stand-in where nothing is dropped
         if DROP:
             keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
@@ -346,19 +377,11 @@ def attention_backward(
     # 1. A[i, r, g] = sum_h beta_r dbeta_r
     big_a = tl.full((BQ, BT, BG), 0.0, dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, keys = _block(
-            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
-        )
-        s4 = tl.reshape(tl.dot(q2, tl.trans(keys), input_precision=PRECISION, out_dtype=dtype),
-                        (BQ, BG, BH, BM))  # fmt: skip
-        vals = _values(vz, rows, exists, d, BH, BM, BD)
-        dmix = tl.reshape(tl.dot(go2, tl.trans(vals), input_precision=PRECISION, out_dtype=dtype),
-                          (BQ, BR, BH, BM))  # fmt: skip
-        keep = counts[:, None, :, None]  # a stand-in where nothing is dropped
-        if DROP:
-            keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-        pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse = _again(
+            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M,
+            G, d, c, s0, s1, threshold, HAS_GL, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM, BD,
+            BC, BR,
+        )  # fmt: skip
         if DROP:
             pi = tl.where(keep, pi, 0.0)
         for r in range(T):
@@ -381,19 +404,11 @@ def attention_backward(
     dqe = tl.full((BQ, BG, BE), 0.0, dtype)  # the spatial term's part of dq[:, :, :e]
     dgl = tl.full((BQ, BT, BG, BM), 0.0, dtype)  # sum_h dc_r (row 0 unless GL_V)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, keys = _block(
-            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
-        )
-        s4 = tl.reshape(tl.dot(q2, tl.trans(keys), input_precision=PRECISION, out_dtype=dtype),
-                        (BQ, BG, BH, BM))  # fmt: skip
-        vals = _values(vz, rows, exists, d, BH, BM, BD)
-        dmix = tl.reshape(tl.dot(go2, tl.trans(vals), input_precision=PRECISION, out_dtype=dtype),
-                          (BQ, BR, BH, BM))  # fmt: skip
-        keep = counts[:, None, :, None]  # a stand-in where nothing is dropped
-        if DROP:
-            keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-        pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse = _again(
+            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M,
+            G, d, c, s0, s1, threshold, HAS_GL, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM, BD,
+            BC, BR,
+        )  # fmt: skip
         pik = pi
         if DROP:
             pik = tl.where(keep, pi, 0.0)

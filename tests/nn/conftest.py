@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from symattn_cli.nn.gsa import cpp as gsa_cpp
+from symattn_cli.nn.gsa import triton as gsa_triton
 
 
 @pytest.fixture
@@ -22,3 +24,14 @@ def backend(request) -> str:
     if request.param == "cpp":
         request.getfixturevalue("kernel")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def triton_device() -> str:
+    """Where the Triton kernels run here: the GPU, or the CPU in Triton's interpreter."""
+    pytest.importorskip("triton", reason="Triton ships with PyTorch's CUDA wheels only")
+    if gsa_triton.interpreted():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip(f"no GPU, and Triton was imported without its interpreter ({gsa_triton.ENV}=1)")

@@ -20,12 +20,8 @@ pytest.importorskip("triton", reason="Triton ships with PyTorch's CUDA wheels on
 
 
 @pytest.fixture(scope="module")
-def device() -> str:
-    if gsa_triton.interpreted():
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.skip(f"no GPU, and Triton was imported without its interpreter ({gsa_triton.ENV}=1)")
+def device(triton_device) -> str:
+    return triton_device
 
 
 def _on(device: str, inputs: tuple) -> tuple:

@@ -189,6 +189,23 @@ def _product(a, b, PRECISION: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
 
 
 @triton.jit
+def _scores(
+    h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c,
+    HAS_GL: tl.constexpr, HAS_OFFSETS: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr,
+    BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """A halo block (:func:`_block`), its dot products s ``(BQ, BG, BH, BM)`` and the inner
+    softmax pi, lse at the group term's row 0."""
+    rows, exists, slot, counts, where, keys = _block(
+        h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
+    )
+    s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
+    gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
+    pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+    return rows, exists, slot, counts, where, keys, s4, pi, lse
+
+
+@triton.jit
 def _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
            SINGLE: tl.constexpr, BG: tl.constexpr, BE: tl.constexpr):  # fmt: skip
     """The outer logits t_r = lse + s_r ``(BQ, BG, BH)``, -inf where (i, h) is no neighbour."""
@@ -200,15 +217,15 @@ def _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
 
 
 @triton.jit
-def _mix(s4, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c, D, e, T,
+def _mix(s4, pi, lse, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c, D, e,
+         T,
          HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr, SINGLE: tl.constexpr,
          DROP: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr,
          BM: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
          BR: tl.constexpr):  # fmt: skip
-    """The mixed weights P ``(BQ, BR, BH, BM)`` of a block from its dot products ``s4`` and the
-    outer log-sum-exp ``lse_all`` ``(BQ, BT, BG)``."""
-    gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-    pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+    """The mixed weights P ``(BQ, BR, BH, BM)`` of a block from its dot products ``s4``, the
+    inner softmax at the group term's row 0 and the outer log-sum-exp ``lse_all`` ``(BQ, BT,
+    BG)``."""
     if DROP:
         pi = tl.where(keep, pi, 0.0)
     if SINGLE:
@@ -237,20 +254,18 @@ def _again(
     PRECISION: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr,
     BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
-    """What both backward passes recompute for a halo block (:func:`_block`): its values,
-    dot products s, dP = GO Val^T ``(BQ, BR, BH, BM)``, the keep mask (a stand-in without
-    dropout), and pi, lse of the group term's row 0."""
-    rows, exists, slot, counts, where, keys = _block(
-        h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
-    )
+    """What both backward passes recompute for a halo block (:func:`_scores`): also its
+    values, dP = GO Val^T ``(BQ, BR, BH, BM)`` and the keep mask (a stand-in without
+    dropout)."""
+    rows, exists, slot, counts, where, keys, s4, pi, lse = _scores(
+        h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
+        HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+    )  # fmt: skip
     vals = _values(vz, rows, exists, d, BH, BM, BD)
-    s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
     dmix = _product(go2, vals, PRECISION, BQ, BR, BH, BM)
     keep = counts[:, None, :, None]
     if DROP:
         keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-    gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-    pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
     return rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse
 
 
@@ -283,12 +298,10 @@ def attention_forward(
     top = tl.full((BQ, BT, BG), float("-inf"), dtype)
     total = tl.full((BQ, BT, BG), 0.0, dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, keys = _block(
-            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
-        )
-        s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
-        gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-        _, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+        _, _, _, counts, where, _, s4, _, lse = _scores(
+            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
+            HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+        )  # fmt: skip
         for r in range(T):
             if GL_V:
                 gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)
@@ -308,15 +321,15 @@ def attention_forward(
     # 2. out = P Val
     acc = tl.full((BQ * BR, BD), 0.0, dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, keys = _block(
-            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
-        )
-        s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
+        rows, exists, slot, counts, where, _, s4, pi, lse = _scores(
+            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
+            HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+        )  # fmt: skip
         keep = counts[:, None, :, None]  # a stand-in where nothing is dropped
         if DROP:
             keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        mixed = _mix(s4, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c, D, e,
-                     T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE, BT,
+        mixed = _mix(s4, pi, lse, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M,
+                     c, D, e, T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE, BT,
                      BR)  # fmt: skip
         vals = _values(vz, rows, exists, d, BH, BM, BD)
         acc += tl.dot(tl.reshape(mixed, (BQ * BR, BH * BM)), vals, input_precision=PRECISION,

@@ -189,9 +189,10 @@ def launches(call: Call, backend: str = "triton") -> list[Launch]:
     else:
         enc = triton_tiles.encoding(call.group_rho, single)  # (Vg, G, M, c)
         lse = triton_tiles.statistics(q, enc, rho, single, call.n)
+        launch = triton_tiles.plan(q, k, v, enc, rho, *rest)
         kernels = (
-            triton_tiles.forward_launch(out, lse, q, k, v, enc, rho, *rest),
-            triton_tiles.backward_launch((*dqkv, drho), go, lse, q, k, v, enc, rho, *rest),
+            triton_tiles.forward_launch(out, lse, launch),
+            triton_tiles.backward_launch((*dqkv, drho), go, lse, launch),
         )
     dtype = str(q.dtype).removeprefix("torch.")
     result = []

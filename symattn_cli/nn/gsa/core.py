@@ -186,19 +186,13 @@ def factorised_attention(
         return out * (1.0 / (1.0 - drop)) if drop > 0 else out
     if group_rho is not None and group_index is not None:
         group_rho = group_rho[group_index]
-    if which == "triton_tiles":  # the kernel forms the group logits; half precision in float32
-        dtype = q.dtype
-        wide = (_widen(t) for t in (q, k, v, group_rho, rho))
-        out = triton_tiles.tiled_attention(*wide, offsets, neighbour, valid, single, n,
-                                           threshold, seed).to(dtype)  # fmt: skip
-        return out * (1.0 / (1.0 - drop)) if drop > 0 else out
-    gl = group_logits(q, group_rho, single)  # (Z, L, M, G), (Z, L, V, M, G) or None
-    if which == "triton":  # half precision is computed in float32
-        dtype = q.dtype
-        wide = (_widen(t) for t in (q, k, v, gl, rho))
-        out = triton.triton_attention(*wide, offsets, neighbour, valid, single, n, threshold,
-                                      seed).to(dtype)  # fmt: skip
-    else:
-        out = torch_attention(q, k, v, gl, rho, offsets, neighbour, valid, single, n, threshold,
-                              seed, max(int(chunk), 1), recompute)  # fmt: skip
+    # the tiled kernel forms the group logits from the encoding; the others take them
+    group = group_rho if which == "triton_tiles" else group_logits(q, group_rho, single)
+    if which == "torch":
+        out = torch_attention(q, k, v, group, rho, offsets, neighbour, valid, single, n,
+                              threshold, seed, max(int(chunk), 1), recompute)  # fmt: skip
+    else:  # a Triton kernel; half precision is computed in float32
+        kernel = triton.triton_attention if which == "triton" else triton_tiles.tiled_attention
+        wide = (_widen(t) for t in (q, k, v, group, rho))
+        out = kernel(*wide, offsets, neighbour, valid, single, n, threshold, seed).to(q.dtype)
     return out * (1.0 / (1.0 - drop)) if drop > 0 else out

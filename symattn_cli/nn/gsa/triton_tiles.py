@@ -139,32 +139,32 @@ def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int, th
 
 
 class TiledAttention(torch.autograd.Function):
-    """The kernel's forward and backward (arguments: see :func:`triton_attention`)."""
+    """The kernel's forward and backward (arguments: see :func:`tiled_attention`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
-        ctx.args = (offsets, neighbour, valid, single, n, threshold, seed)
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
         lse = statistics(q, grho, rho, single, n)
+        # the tile maps, built once for both kernels
+        ctx.plan = plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed)
         if out.numel():
-            kernel, grid, args, meta = forward_launch(out, lse, q, k, v, grho, rho, *ctx.args)
+            kernel, grid, args, meta = forward_launch(out, lse, ctx.plan)
             kernel[grid](*args, **meta)
-        ctx.save_for_backward(q, k, v, grho, rho, lse)
+        ctx.save_for_backward(q, grho, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, grho, rho, lse = ctx.saved_tensors
+        q, grho, lse = ctx.saved_tensors
+        _, _, (_, k, v, _, rho, *_), meta = ctx.plan
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        drho = None if rho is None else torch.zeros_like(rho)
+        drho = torch.zeros_like(rho) if meta["HAS_RHO"] else None
         dgrho = None
         z, n_q = q.shape[:2]
         if z * n_q:
-            kernel, grid, args, meta = backward_launch(
-                (dq, dk, dv, drho), grad_out, lse, q, k, v, grho, rho, *ctx.args
-            )
+            kernel, grid, args, meta = backward_launch((dq, dk, dv, drho), grad_out, lse, ctx.plan)
             kernel[grid](*args, **meta)
             if grho is not None:  # each program's part, summed in a fixed order
                 dgrho = args[3].sum(dim=0)
@@ -181,32 +181,35 @@ def statistics(q, grho, rho, single: bool, n: int):
     return q.new_empty(z, n_q, _rows(single, rho, n, gl_v), g)
 
 
-def forward_launch(out, lse, q, k, v, grho, rho, *rest):
+def forward_launch(out, lse, launch):
     """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
-    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`); ``rest``:
-    ``offsets, neighbour, valid, single, n, threshold, seed``."""
-    program, grid, args, meta = _program(q, k, v, grho, rho, *rest)
+    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`) by
+    ``launch`` (:func:`plan`)."""
+    program, grid, args, meta = launch
     return program.attention_forward, grid, (out, lse, *args), meta
 
 
-def backward_launch(grads, grad_out, lse, q, k, v, grho, rho, *rest):
-    """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
-    dk, dv, drho: zeroed; None for an absent one) and each program's d grho (a new tensor,
-    argument 3) from ``grad_out`` ``(Z, L, V, d)`` and the forward's ``lse``."""
-    program, grid, args, meta = _program(q, k, v, grho, rho, *rest)
+def backward_launch(grads, grad_out, lse, launch):
+    """The backward kernel, its grid, arguments and keyword arguments by ``launch``
+    (:func:`plan`), writing ``grads`` (dq, dk, dv, drho: zeroed; None for an absent one) and
+    each program's d grho (a new tensor, argument 3) from ``grad_out`` ``(Z, L, V, d)`` and
+    the forward's ``lse``."""
+    program, grid, args, meta = launch
+    q, grho = args[0], args[3]
     if meta["BR"] == 1:  # every v had the same output row: their gradients add up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
     dq, dk, dv, drho = grads
-    dgrho = q if grho is None else q.new_zeros(grid[0], *grho.shape)
+    dgrho = q.new_zeros(grid[0], *grho.shape) if meta["HAS_GL"] else q
     args = (dq, dk, dv, dgrho, q if drho is None else drho, grad_out, lse, *args,
             grad_out.shape[2])  # fmt: skip
     return program.attention_backward, grid, args, meta
 
 
-def _program(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
-    """The kernel module, the grid, the kernels' common arguments and their compile-time ones.
-    Absent tensors are replaced by a stand-in that is never read."""
+def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    """The kernel module, the grid, the kernels' common arguments (the tile maps among them)
+    and their compile-time ones, for the forward and the backward alike. Absent tensors are
+    replaced by a stand-in that is never read."""
     maps, sizes, blocks = _launch(q, k, grho, rho, neighbour, offsets, valid, single, n,
                                   threshold, seed)  # fmt: skip
     args = (q, k, v, q if grho is None else grho, q if rho is None else rho, *maps, *sizes)

@@ -17,8 +17,8 @@ import torch
 
 from symattn_cli.nn.gsa.triton import ENV, available, interpreted
 
-# Numbers in a block's largest tensor, (BQ, BG or R, BH, BM), held in registers: sized so that
-# the backward with a v-dependent group term compiles without register spills.
+# Numbers in a block's largest tensor, (BQ, BG or R, BH, BM), held in registers: larger blocks
+# mean fewer passes of the loop but more registers a thread.
 BLOCK_ELEMENTS = 1024
 # tl.dot takes operands of at least 16 along every axis
 DOT_MIN = 16

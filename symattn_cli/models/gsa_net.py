@@ -23,6 +23,7 @@ from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
 from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
+from symattn_cli.nn.pointwise import Pointwise3d
 from symattn_cli.nn.positional import Swish
 
 # Paper / reference architectures (GSA-Nets App. F); the crops of "pcam" differ from the
@@ -98,13 +99,13 @@ class GSABlock(nn.Module):
         self.attention = attention
         self.post = nn.Sequential(make_norm(norm, out_channels), Swish(), nn.Dropout(value_dropout))
         self.shortcut = (
-            nn.Conv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
+            Pointwise3d(in_channels, out_channels) if in_channels != out_channels else None
         )
         self.mlp = nn.Sequential(
-            nn.Conv3d(out_channels, hidden, 1),
+            Pointwise3d(out_channels, hidden),
             make_norm(norm, hidden),
             Swish(),
-            nn.Conv3d(hidden, out_channels, 1),
+            Pointwise3d(hidden, out_channels),
             make_norm(norm, out_channels),
         )
         self.crop_size = crop_size
@@ -196,7 +197,7 @@ class GSANet(nn.Module):
                 if pool_dropout > 0:
                     layers.append(nn.Dropout(pool_dropout))
         self.blocks = nn.Sequential(*layers)
-        self.head = nn.Conv3d(width, num_classes, 1)
+        self.head = Pointwise3d(width, num_classes)
         self._init_weights(init_gain)
 
     def _init_weights(self, gain: float) -> None:

@@ -20,6 +20,21 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert gsa_cpp.enabled()
 
 
+def test_the_kernel_runs_on_every_intra_op_thread():
+    """at::parallel_for is compiled into the extension: built without OpenMP it runs the
+    whole range on the calling thread, whatever torch's thread count."""
+    module = gsa_cpp.load()
+    if module is None:
+        pytest.skip("the C++ kernel is not built here")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert module.parallel_threads() == count
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 

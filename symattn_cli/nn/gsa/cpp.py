@@ -31,6 +31,12 @@ import torch
 SOURCE = Path(__file__).with_name("cpp_kernel.cpp")
 NAME = "symattn_gsa_kernel"
 ENV = "SYMATTN_CPP"
+# at::parallel_for is inline: compiled without OpenMP it runs its whole range on the calling
+# thread. With -fopenmp it forks on torch's own OpenMP runtime (libgomp.so.1, which torch has
+# loaded before the extension). Linux only: other platforms' compilers differ in the flag.
+_OPENMP = (
+    ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, ModuleType | None] = {}
@@ -122,7 +128,8 @@ def _build() -> ModuleType | None:
             return cpp_extension.load(
                 name=NAME,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native"],
+                extra_cflags=["-O3", "-march=native", *_OPENMP],
+                extra_ldflags=_OPENMP,
                 build_directory=str(folder),
                 verbose=False,
             )
@@ -142,9 +149,10 @@ def _build() -> ModuleType | None:
 
 
 class CppAttention(torch.autograd.Function):
-    """The kernel's forward and backward as an autograd function on the kernel's layouts, the
-    point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv), the group embedding emb (R, c)
-    and its index (1 or V, G, M), out (Z, d, V, L); see :func:`cpp_attention`."""
+    """The kernel's forward and backward as an autograd function on the kernel's layouts,
+    channels, then the group axis, then points: q (Z, d, G, L), k and v (Z, d, M, Lkv), the
+    group embedding emb (R, c) and its index (1 or V, G, M), out (Z, d, V, L); see
+    :func:`cpp_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
@@ -175,12 +183,13 @@ def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n
     embedding, dotted with q's last c channels, and ``index`` ``(G, M)`` or ``(V, G, M)``
     (sum form only) the row each (g, m) or (v, g, m) reads: gl[v, m, g] = q_ig . emb[index[v,
     g, m]], gathered inside the kernel; both None without a group term. Dropout keeps an entry
-    whose 15-bit hash is at least ``threshold``. The kernel takes the point axis last, so that
-    a tile of consecutive queries, and their neighbours at one offset, are consecutive
-    numbers."""
+    whose 15-bit hash is at least ``threshold``. The kernel takes q, k and v as ``(Z, d, G,
+    L)``: the point axis last, so that a tile of consecutive queries, and their neighbours at
+    one offset, are consecutive numbers, and channels first, the layout of the 1x1 maps that
+    make them (the layer's views are permuted back without a copy)."""
 
-    def points_last(t):  # (Z, P, ...) -> (Z, ..., P)
-        return None if t is None else t.movedim(1, -1).contiguous()
+    def points_last(t):  # (Z, P, G, d) -> (Z, d, G, P)
+        return None if t is None else t.permute(0, 3, 2, 1).contiguous()
 
     def flat(t):
         return None if t is None else t.contiguous()

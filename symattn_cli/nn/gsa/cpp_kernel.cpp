@@ -133,9 +133,10 @@ void storeu(S* dst, const V& x) {
 
 template <typename S>
 struct Problem {
-  // The point axis last: q (Z, G, d, L), k and v (Z, M, d, Lkv); the group embedding emb
-  // (R, c) and the row each (v, g, m) reads, gidx (Vg, G, M) (Vg = V when the group term
-  // depends on the output element (by_v), else 1); rho (V, D, e)
+  // Channels, then the group axis, then points: q (Z, d, G, L), k and v (Z, d, M, Lkv), the
+  // layout of the layer's 1x1 maps (no copy between them and the kernel); the group
+  // embedding emb (R, c) and the row each (v, g, m) reads, gidx (Vg, G, M) (Vg = V when the
+  // group term depends on the output element (by_v), else 1); rho (V, D, e)
   const S *q, *k, *v, *emb, *rho;  // emb (with gidx), rho: null when absent
   const int64_t *gidx, *offsets, *nb;  // offsets: null when local (offset j)
   const bool* valid;                   // null when every neighbour is inside
@@ -149,6 +150,9 @@ struct Problem {
     return (x & 0x7FFFu) >= threshold ? S(1) : S(0);
   }
   int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
+  // The (..., L)-laid row of batch-head z, element g and channel c (gc = g d + c) of a
+  // (Z, d, n, L) tensor (q and dq: n = G; k, v and their gradients: n = M).
+  int64_t row(int64_t z, int64_t gc, int64_t n) const { return (z * d + gc % d) * n + gc / d; }
   bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
   int64_t rows() const { return by_v ? V : single ? 1 : K; }  // outer softmaxes per tile
   // Whether the spatial term is one table for every query and every g (local, sum form).
@@ -235,7 +239,7 @@ struct Tile {
     z = z_;
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
-    for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + (z * G * d + gc) * p.L);
+    for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + p.row(z, gc, G) * p.L);
     layout.resize(J);
     first.resize(J);
     int64_t index[T];
@@ -249,8 +253,8 @@ struct Tile {
       layout[j] = consecutive ? kConsecutive : same ? kSame : kScattered;
       first[j] = index[0];
       for (int64_t mc = 0; mc < M * d; ++mc) {
-        const S* k_row = p.k + (z * M * d + mc) * Lkv;
-        const S* v_row = p.v + (z * M * d + mc) * Lkv;
+        const S* k_row = p.k + p.row(z, mc, M) * Lkv;
+        const S* v_row = p.v + p.row(z, mc, M) * Lkv;
         V& kd = kg[j * M * d + mc];
         V& vd = vg[j * M * d + mc];
         switch (layout[j]) {
@@ -574,8 +578,8 @@ struct Grads {
   S *dq, *dk, *dv, *drho;  // drho: null when absent; this thread's sum
 };
 
-// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, G, d, L),
-// dk and dv (Z, M, d, Lkv) are laid out as their inputs; drho_local (V, J, e) collects a
+// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, d, G, L),
+// dk and dv (Z, d, M, Lkv) are laid out as their inputs; drho_local (V, J, e) collects a
 // local layer's d rho lane by lane, tl.demb the group embedding's.
 template <typename S>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
@@ -714,11 +718,11 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     contract<V>(tl.demb, c, 1, {tl.dtq, 1, R}, {tl.q + d - c, 1, d}, R, c, G, true);
   }
   // scatter to the tile's queries and their neighbours
-  for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + (tl.z * G * d + gc) * p.L, tl.dq[gc]);
+  for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + p.row(tl.z, gc, G) * p.L, tl.dq[gc]);
   for (int64_t j = 0; j < J; ++j)
     for (int64_t mc = 0; mc < M * d; ++mc) {  // outside neighbours add 0 (beta = 0)
-      tl.scatter_add(p, j, gr.dk + (tl.z * M * d + mc) * p.Lkv, tl.dkg[j * M * d + mc]);
-      tl.scatter_add(p, j, gr.dv + (tl.z * M * d + mc) * p.Lkv, tl.dvg[j * M * d + mc]);
+      tl.scatter_add(p, j, gr.dk + p.row(tl.z, mc, M) * p.Lkv, tl.dkg[j * M * d + mc]);
+      tl.scatter_add(p, j, gr.dv + p.row(tl.z, mc, M) * p.Lkv, tl.dvg[j * M * d + mc]);
     }
 }
 
@@ -739,8 +743,8 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   p.offsets = offsets ? offsets->data_ptr<int64_t>() : nullptr;
   p.nb = nb.data_ptr<int64_t>();
   p.valid = valid ? valid->data_ptr<bool>() : nullptr;
-  p.Z = q.size(0), p.G = q.size(1), p.d = q.size(2), p.L = q.size(3);
-  p.M = k.size(1), p.Lkv = k.size(3), p.J = nb.size(1);
+  p.Z = q.size(0), p.d = q.size(1), p.G = q.size(2), p.L = q.size(3);
+  p.M = k.size(2), p.Lkv = k.size(3), p.J = nb.size(1);
   p.e = rho ? rho->size(2) : 0;
   p.D = rho ? rho->size(1) : 0;
   p.V = n;
@@ -761,19 +765,19 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
                 "q, k, v must be contiguous 4-d CPU tensors");
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v must share a dtype");
   }
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
-              "k and v must be (Z, M, d, Lkv) with q's Z and d");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1),
+              "k and v must be (Z, d, M, Lkv) with q's Z and d");
   TORCH_CHECK(nb.scalar_type() == at::kLong && nb.is_contiguous() && nb.dim() == 2 &&
                   nb.size(0) == q.size(3),
               "neighbour must be contiguous int64 (L, J)");
   TORCH_CHECK(emb.has_value() == gidx.has_value(), "the group embedding needs its index");
   if (emb) {
     TORCH_CHECK(emb->is_contiguous() && emb->scalar_type() == q.scalar_type() &&
-                    emb->dim() == 2 && emb->size(1) <= q.size(2) && emb->size(0) > 0,
+                    emb->dim() == 2 && emb->size(1) <= q.size(1) && emb->size(0) > 0,
                 "the group embedding must be contiguous (R, c) with c <= d");
     TORCH_CHECK(gidx->scalar_type() == at::kLong && gidx->is_contiguous() && gidx->dim() == 3 &&
-                    (gidx->size(0) == 1 || gidx->size(0) == n) && gidx->size(1) == q.size(1) &&
-                    gidx->size(2) == k.size(1),
+                    (gidx->size(0) == 1 || gidx->size(0) == n) && gidx->size(1) == q.size(2) &&
+                    gidx->size(2) == k.size(2),
                 "the group index must be contiguous int64 (1 or V, G, M)");
     TORCH_CHECK(gidx->min().item<int64_t>() >= 0 && gidx->max().item<int64_t>() < emb->size(0),
                 "the group index must be in [0, R)");
@@ -781,7 +785,7 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
   }
   if (rho) {
     TORCH_CHECK(rho->is_contiguous() && rho->scalar_type() == q.scalar_type() &&
-                    rho->dim() == 3 && rho->size(0) == n && rho->size(2) <= q.size(2),
+                    rho->dim() == 3 && rho->size(0) == n && rho->size(2) <= q.size(1),
                 "rho must be contiguous (V, D, e) with e <= d");
     TORCH_CHECK(offsets || rho->size(1) >= nb.size(1), "local rho needs J rows");
   }
@@ -793,10 +797,10 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
     TORCH_CHECK(valid->scalar_type() == at::kBool && valid->is_contiguous() &&
                     valid->sizes() == nb.sizes(),
                 "valid must be contiguous bool (L, J)");
-  TORCH_CHECK(!single || q.size(1) == n, "the single form needs G = V");
+  TORCH_CHECK(!single || q.size(2) == n, "the single form needs G = V");
 }
 
-// out (Z, d, V, L) from q (Z, G, d, L), k, v (Z, M, d, Lkv), emb (R, c) and gidx (1 or V,
+// out (Z, d, V, L) from q (Z, d, G, L), k, v (Z, d, M, Lkv), emb (R, c) and gidx (1 or V,
 // G, M) or None, rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L,
 // J) or None.
 Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
@@ -805,7 +809,7 @@ Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTenso
                const OptTensor& valid, bool single, int64_t n, int64_t threshold,
                int64_t seed) {
   check(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n);
-  Tensor out = at::empty({q.size(0), q.size(2), n, q.size(3)}, q.options());
+  Tensor out = at::empty({q.size(0), q.size(1), n, q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_forward", [&] {
     using S = scalar_t;
     constexpr int64_t T = Tile<S>::T;
@@ -833,7 +837,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
                              bool single, int64_t n, int64_t threshold, int64_t seed) {
   check(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n);
   TORCH_CHECK(grad_out.is_contiguous() &&
-                  grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(2), n, q.size(3)}),
+                  grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(1), n, q.size(3)}),
               "grad_out must be contiguous (Z, d, V, L)");
   Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   const int64_t threads = at::get_num_threads();
@@ -874,9 +878,22 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
   return {dq, dk, dv, demb, drho};
 }
 
+// How many threads the kernels' at::parallel_for spreads work over: torch's thread count
+// when the extension is built with OpenMP, 1 without (the range then runs on the caller).
+int64_t parallel_threads() {
+  std::vector<char> ran(at::get_num_threads(), 0);
+  at::parallel_for(0, 64 * static_cast<int64_t>(ran.size()), 1, [&](int64_t, int64_t) {
+    ran[at::get_thread_num()] = 1;
+  });
+  int64_t count = 0;
+  for (char r : ran) count += r;
+  return count;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "fused factorised attention, forward (see core.py)");
   m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)");
+  m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for runs here");
 }

@@ -53,12 +53,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from symattn_cli.groups import Group, grid_coordinates
 from symattn_cli.nn.gsa.core import BACKENDS, factorised_attention
 from symattn_cli.nn.gsa.dense import dense_attention, dense_weights
+from symattn_cli.nn.pointwise import Pointwise2d, pointwise
 from symattn_cli.nn.positional import RelativePositionEncoding
 
 QUERY_FORMS = ("sum", "single")
@@ -136,10 +136,10 @@ class GroupSelfAttention(nn.Module):
         d, inner = self.head_dim, heads * self.head_dim
 
         # 1x1 maps on (B, C, M, I), applied as Conv2d over the (M, I) axes.
-        self.query = nn.Conv2d(in_channels, inner, 1)
-        self.key = nn.Conv2d(in_channels, inner, 1)
-        self.value = nn.Conv2d(in_channels, inner, 1)
-        self.w_out = nn.Conv2d(inner, out_channels, 1)
+        self.query = Pointwise2d(in_channels, inner)
+        self.key = Pointwise2d(in_channels, inner)
+        self.value = Pointwise2d(in_channels, inner)
+        self.w_out = Pointwise2d(inner, out_channels)
 
         # rho = [rho_xy (2 * d//3 or 2 * d//2 channels), rho_H (the rest)], shared by heads.
         per_axis = d // 2 if lifting else d // 3
@@ -257,13 +257,13 @@ class GroupSelfAttention(nn.Module):
         return rho_xy, rho_h
 
     def _qkv(self, x: torch.Tensor):
-        """``x`` ``(B, C, M, ...)`` -> q (scaled by 1/sqrt(d)), k, v each ``(Z, d, M, ...)``."""
+        """``x`` ``(B, C, M, ...)`` -> q (scaled by 1/sqrt(d)), k, v each ``(Z, d, M, ...)``,
+        contiguous (the layout of the fused CPU kernel: no copy in between)."""
         b, _, m = x.shape[:3]
-        flat = x.reshape(b, x.shape[1], m, -1)  # (B, C, M, I)
         shape = (b * self.heads, self.head_dim, m, *x.shape[3:])
         scale = 1.0 / math.sqrt(self.head_dim)  # in the map's weights: no scaled copy of q
-        q = F.conv2d(flat, self.query.weight * scale, self.query.bias * scale)
-        return q.reshape(shape), self.key(flat).reshape(shape), self.value(flat).reshape(shape)
+        q = pointwise(x, self.query.weight * scale, self.query.bias * scale)
+        return q.reshape(shape), self.key(x).reshape(shape), self.value(x).reshape(shape)
 
     def _output(self, out: torch.Tensor, b: int, spatial: tuple[int, ...]) -> torch.Tensor:
         """``(Z, L, V, d)`` -> W_out -> ``(B, C_out, N, *spatial)``."""

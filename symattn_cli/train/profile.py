@@ -25,7 +25,7 @@ PROFILE_FILE = "profile.md"
 PARTS = (
     "attention kernel forward",
     "attention kernel backward",
-    "1x1 projections (convolutions)",
+    "1x1 projections",
     "layout copies",
     "norms and activations",
     "other step operators",
@@ -48,14 +48,16 @@ _RANGES = {
 _STEP = ("train.forward", "train.backward")
 _COPIES = ("copy", "contiguous", "clone", "permute", "transpose", "reshape", "view", "index",
            "gather", "scatter", "cat", "stack", "movedim", "expand", "slice", "select")  # fmt: skip
+# 1x1 maps: matrix products (symattn_cli.nn.pointwise) or convolutions
+_PROJECTIONS = ("conv", "bmm", "mm", "matmul", "linear")
 _NORMS = ("norm", "silu", "sigmoid", "relu", "gelu", "swish", "pool", "dropout", "softmax")
 
 
 def _operator_part(name: str) -> str:
     """The part an operator of the forward or backward belongs to, by its name."""
     low = name.lower()
-    if "conv" in low:
-        return "1x1 projections (convolutions)"
+    if any(word in low for word in _PROJECTIONS):
+        return "1x1 projections"
     if any(word in low for word in _NORMS):
         return "norms and activations"
     if any(word in low for word in _COPIES):

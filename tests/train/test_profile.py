@@ -25,7 +25,7 @@ def test_intervals_nest_by_time_and_parts_take_own_time():
     parts = charge(roots)
     assert set(parts) == set(PARTS)
     assert parts["attention kernel forward"] == pytest.approx(40)  # whole, children included
-    assert parts["1x1 projections (convolutions)"] == pytest.approx(30)
+    assert parts["1x1 projections"] == pytest.approx(30)
     assert parts["other step operators"] == pytest.approx(30)  # the forward's own time
     assert parts["optimizer"] == pytest.approx(50)
     assert parts["setup, test and figures"] == pytest.approx(10)  # outside every phase

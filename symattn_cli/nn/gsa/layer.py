@@ -309,7 +309,10 @@ class GroupSelfAttention(nn.Module):
         Keys and values are flattened to ``(Z, H*W, M, d)``; the neighbour at offset (dy, dx)
         of output pixel (y, x) is pixel (y + dy, x + dx). Neighbours outside the image are
         masked out (their flat index is clamped into the map, whose key then takes no weight
-        and gets no gradient); queries exist only for the output pixels.
+        and gets no gradient). The queries are the pixels from (crop, crop) to (H-1-crop,
+        W-1-crop) in flat order, the cropped margins of the rows in between included, so that
+        consecutive queries have consecutive neighbours (a kernel reads a tile's keys as
+        runs); the margins' outputs are dropped.
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
@@ -318,19 +321,26 @@ class GroupSelfAttention(nn.Module):
         # views in the core's (Z, points, M, d) order: each backend copies into its own layout
         k = k.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         v = v.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
-        q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
-        out_h, out_w = q.shape[-2:]
-        q = q.reshape(z, d, m, out_h * out_w).permute(0, 3, 2, 1)  # (Z, L, G, d)
+        out_h, out_w = height - 2 * crop, width - 2 * crop
+        first, count = crop * width + crop, (out_h - 1) * width + out_w  # the queries' range
+        q = q.reshape(z, d, m, height * width)[..., first : first + count]  # (Z, d, G, L')
+        q = q.permute(0, 3, 2, 1)  # (Z, L', G, d)
 
         dev = x.device
-        tops = torch.arange(crop, height - crop, device=dev) - r  # (H',)
-        lefts = torch.arange(crop, width - crop, device=dev) - r  # (W',)
-        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
-        valid = inside if crop < r else None  # else every neighbourhood lies in the image
+        points = torch.arange(first, first + count, device=dev)  # (L',)
+        tops, lefts = points // width - r, points % width - r
+        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L', J) each
+        # something lies outside: rows above or below (crop < r), or the margins' columns
+        margins = crop > 0 and out_h > 1
+        valid = inside if r > 0 and (crop < r or margins) else None
 
         offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
-        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L, V, d)
+        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L', V, d)
+        if margins:  # keep the output pixels: the first W - 2 crop queries of each row
+            rows = torch.arange(out_h, device=dev)[:, None] * width
+            keep = (rows + torch.arange(out_w, device=dev)).reshape(-1)  # (L,) into L'
+            out = out.index_select(1, keep)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global
@@ -368,16 +378,16 @@ def group_index_table(group: Group, kind: str) -> tuple[int, torch.Tensor]:
 
 
 def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int, width: int):
-    """The P x P neighbourhoods whose top-left pixels are (tops[a], lefts[b]) on a height x
-    width map, a-major: flat pixel indices ``(A B, P P)``, and which neighbours lie inside
-    ``(A B, P P)``. A neighbour outside (masked out) keeps its flat index row * width +
+    """The P x P neighbourhoods whose top-left pixels are (tops[a], lefts[a]) on a height x
+    width map: flat pixel indices ``(A, P P)``, and which neighbours lie inside ``(A, P P)``.
+    A neighbour outside (masked out) keeps its flat index row * width +
     column, clamped into [0, height * width): left and right of the image that is a pixel of
     the row above or below, so that consecutive queries keep consecutive neighbours."""
     offsets = torch.arange(p, device=tops.device)
-    rows = tops[:, None, None, None] + offsets[None, None, :, None]  # (A, 1, P, 1)
-    cols = lefts[None, :, None, None] + offsets[None, None, None, :]  # (1, B, 1, P)
-    index = (rows * width + cols).clamp(0, height * width - 1)  # (A, B, P, P)
-    inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)  # (A, B, P, P)
+    rows = tops[:, None, None] + offsets[None, :, None]  # (A, P, 1)
+    cols = lefts[:, None, None] + offsets[None, None, :]  # (A, 1, P)
+    index = (rows * width + cols).clamp(0, height * width - 1)  # (A, P, P)
+    inside = (rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)  # (A, P, P)
     return index.reshape(-1, p * p), inside.reshape(-1, p * p)
 
 

@@ -110,6 +110,25 @@ def test_factorised_softmax_matches_eq16(index):
     assert torch.allclose(fast, slow, atol=1e-12)
 
 
+@pytest.mark.parametrize("patch, crop", [(3, 1), (3, 2), (5, 1), (5, 3)])
+def test_a_cropped_layer_is_the_full_layer_cropped(patch, crop):
+    """The cropped layer's queries are a run of pixels with the crop's margins (dropped
+    after): values and gradients are the full layer's at the kept pixels, whether or not the
+    neighbourhoods reach outside the map."""
+    layer = GroupSelfAttention(group=get_group("r4"), in_channels=3, out_channels=6, heads=2,
+                               head_dim=6, patch_size=patch, checkpointing=False)  # fmt: skip
+    layer = randomize_encodings(layer).double()
+    x = torch.randn(2, 3, 4, 9, 8, dtype=torch.float64, requires_grad=True)
+    full = layer(x)[..., crop:-crop, crop:-crop]
+    cropped = layer(x, crop=crop)
+    assert cropped.shape == full.shape
+    assert torch.allclose(cropped, full, rtol=0, atol=1e-13 * float(full.abs().max()))
+    weights = torch.randn_like(full)
+    (a,) = torch.autograd.grad((full * weights).sum(), x)
+    (b,) = torch.autograd.grad((cropped * weights).sum(), x)
+    assert torch.allclose(a, b, rtol=0, atol=1e-12 * float(a.abs().max()))
+
+
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_local_with_large_patch_equals_global(form):
     g = get_group("r8")

@@ -34,9 +34,8 @@ ENV = "SYMATTN_CPP"
 # at::parallel_for is inline: compiled without OpenMP it runs its whole range on the calling
 # thread. With -fopenmp it forks on torch's own OpenMP runtime (libgomp.so.1, which torch has
 # loaded before the extension). Linux only: other platforms' compilers differ in the flag.
-_OPENMP = (
-    ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
-)
+_LINUX_OPENMP = sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+_OPENMP = ["-fopenmp"] if _LINUX_OPENMP else []
 
 _LOCK = threading.Lock()
 _STATE: dict[str, ModuleType | None] = {}

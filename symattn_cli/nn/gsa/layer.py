@@ -294,8 +294,9 @@ class GroupSelfAttention(nn.Module):
                 drop=drop, seed=seed, chunk=max(1, budget // (per_query * n * g)),
             )  # fmt: skip
         # the table and its index: the fused CPU kernel gathers the logits per query
-        table, index = (None, None) if rho_h is None else (self.group_embedding,
-                                                             self.group_index_table)
+        table, index = (
+            (None, None) if rho_h is None else (self.group_embedding, self.group_index_table)
+        )
         return factorised_attention(
             q, k, v, table, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
             drop=drop, chunk=max(1, budget // per_query), recompute=self.checkpointing,

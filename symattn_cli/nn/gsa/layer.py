@@ -135,7 +135,7 @@ class GroupSelfAttention(nn.Module):
         self.attention_backend = attention_backend
         d, inner = self.head_dim, heads * self.head_dim
 
-        # 1x1 maps on (B, C, M, I), applied as Conv2d over the (M, I) axes.
+        # 1x1 maps over the channels of (B, C, M, ...), as matrix products (Conv2d parameters)
         self.query = Pointwise2d(in_channels, inner)
         self.key = Pointwise2d(in_channels, inner)
         self.value = Pointwise2d(in_channels, inner)

@@ -138,9 +138,11 @@ def static_table(rows: Sequence[dict[str, Any]], title: str):
     from rich.table import Table
 
     table = Table(title=title)
+    measured = "measured_ms" in rows[0]
+    timed = ("measured ms", "/issue", "/bound") if measured else ()
     for name in ("layer", "kernel", "programs", "regs", "spills", "smem KiB", "occ %",
                  "waves", "k instr/prog", "atomics/prog", "issue ms", "FLOP ms", "DRAM ms",
-                 "issue/bound"):  # fmt: skip
+                 "issue/bound", *timed):  # fmt: skip
         table.add_column(name, justify="left" if name in ("layer", "kernel") else "right",
                          no_wrap=True)  # fmt: skip
     for row in rows:
@@ -154,6 +156,8 @@ def static_table(rows: Sequence[dict[str, Any]], title: str):
             "" if total else number(row["atomics_per_program"], ",.0f"),
             number(row["issue_ms"], ".3f"), number(row["flop_ms"], ".3f") + f" {row['flop_unit']}",
             number(row["dram_ms"], ".3f"), number(row["issue_over_bound"], ".1f"),
+            *((number(row["measured_ms"], ".3f"), number(row["measured_over_issue"], ".2f"),
+               number(row["measured_over_bound"], ".1f")) if measured else ()),
             style="bold" if total else None,
         )  # fmt: skip
     return table

@@ -154,14 +154,15 @@ class Launch:
 KERNELS = ("triton", "triton_tiles")  # the attention backends with Triton kernels
 
 
-def launches(call: Call, backend: str = "triton") -> list[Launch]:
-    """The forward and backward launches of ``backend``'s Triton kernels for ``call``."""
+def launches(call: Call, backend: str = "triton", sms: int = 1) -> list[Launch]:
+    """The forward and backward launches of ``backend``'s Triton kernels for ``call`` on a GPU
+    of ``sms`` multiprocessors (the copies of drho the backward adds into depend on it)."""
     import torch
 
     import symattn_cli.nn.gsa.core as core
     from symattn_cli.nn.gsa import triton as gsa_triton
     from symattn_cli.nn.gsa import triton_tiles
-    from symattn_cli.nn.gsa.common import DROP_STEPS
+    from symattn_cli.nn.gsa.common import DROP_STEPS, gradient_copies
 
     if backend not in KERNELS:
         raise ConfigError(f"attention backend {backend!r} has no Triton kernel; choose from "
@@ -173,6 +174,7 @@ def launches(call: Call, backend: str = "triton") -> list[Launch]:
     rest = (call.offsets, call.neighbour.contiguous(),
             None if call.valid is None else call.valid.contiguous(), single, call.n, threshold,
             0x123456789)  # fmt: skip
+    copies = gradient_copies(q, rho, sms)
     z, n_q, _, d = q.shape
     out = q.new_empty(z, n_q, call.n, d)
     go = torch.zeros_like(out)
@@ -181,10 +183,10 @@ def launches(call: Call, backend: str = "triton") -> list[Launch]:
     if backend == "triton":
         enc = core.group_logits(q, call.group_rho, single)  # (Z, L, [V,] M, G)
         lse = gsa_triton.statistics(q, enc, rho, single, call.n)
-        grads = (*dqkv, q if enc is None else torch.zeros_like(enc), q if drho is None else drho)
+        grads = (*dqkv, q if enc is None else torch.zeros_like(enc))
         kernels = (
             gsa_triton.forward_launch(out, lse, q, k, v, enc, rho, *rest),
-            gsa_triton.backward_launch(grads, go, lse, q, k, v, enc, rho, *rest),
+            gsa_triton.backward_launch(grads, go, lse, q, k, v, enc, rho, *rest, copies=copies),
         )
     else:
         enc = triton_tiles.encoding(call.group_rho, single)  # (Vg, G, M, c)
@@ -192,7 +194,7 @@ def launches(call: Call, backend: str = "triton") -> list[Launch]:
         launch = triton_tiles.plan(q, k, v, enc, rho, *rest)
         kernels = (
             triton_tiles.forward_launch(out, lse, launch),
-            triton_tiles.backward_launch((*dqkv, drho), go, lse, launch),
+            triton_tiles.backward_launch((*dqkv, drho), go, lse, launch, copies=copies),
         )
     dtype = str(q.dtype).removeprefix("torch.")
     result = []
@@ -530,14 +532,32 @@ def _fresh_cache() -> Iterator[None]:
                 os.environ["TRITON_CACHE_DIR"] = before
 
 
-def report(case, arch: int = 90, backend: str = "triton") -> list[dict[str, Any]]:
+def measure(launch: Launch, device: str) -> dict[str, float]:
+    """``launch`` run on the GPU ``device``: its median time (CUDA events, the L2 cache
+    flushed before each run: ``triton.testing.do_bench``) and that time over the issue bound
+    and over the larger of the FLOP and DRAM bounds of its row."""
+    import torch
+    from triton.testing import do_bench
+
+    args = tuple(a.to(device) if torch.is_tensor(a) else a for a in launch.args)
+    with torch.cuda.device(device):
+        ms = do_bench(lambda: launch.fn[launch.grid](*args, **launch.meta), warmup=25, rep=100,
+                      return_mode="median")  # fmt: skip
+    return {"measured_ms": float(ms)}
+
+
+def report(case, arch: int = 90, backend: str = "triton",
+           device: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The report's rows for every attention launch of ``case`` (forward and backward of each
     layer) by ``backend``'s kernels, then a total row per kernel and fwd+bwd (times summed;
-    occupancy the lowest)."""
+    occupancy the lowest). With a CUDA ``device`` each launch is also run there and timed
+    (:func:`measure`): ``measured_ms``, and its ratios to the issue bound and to the larger of
+    the FLOP and DRAM bounds."""
     gpu_for(arch)
     with _fresh_cache():
-        rows = [analyse(launch, arch) for call in attention_calls(case)
-                for launch in launches(call, backend)]  # fmt: skip
+        rows = [analyse(launch, arch) | ({} if device is None else measure(launch, device))
+                for call in attention_calls(case)
+                for launch in launches(call, backend, gpu_for(arch).sms)]  # fmt: skip
     totals = []
     for kernel in ("forward", "backward", "fwd+bwd"):
         part = [r for r in rows if kernel in ("fwd+bwd", r["kernel"])]
@@ -547,14 +567,19 @@ def report(case, arch: int = 90, backend: str = "triton") -> list[dict[str, Any]
         total.update(layer="total", kernel=kernel, dtype=part[0]["dtype"],
                      flop_unit=",".join(sorted({r["flop_unit"] for r in part})))  # fmt: skip
         for key in ("programs", "warp_instructions", "flops", "bytes", "issue_ms", "flop_ms",
-                    "dram_ms", "spill_instructions"):  # fmt: skip
-            total[key] = sum(r[key] for r in part)
+                    "dram_ms", "spill_instructions", "measured_ms"):  # fmt: skip
+            if key in rows[0]:
+                total[key] = sum(r[key] for r in part)
         for key in ("regs", "shared_bytes", "stack_bytes"):
             total[key] = max(r[key] for r in part)
         total["occupancy"] = min(r["occupancy"] for r in part)
         total["blocks_per_sm"] = min(r["blocks_per_sm"] for r in part)
         total["issue_over_bound"] = total["issue_ms"] / max(total["flop_ms"], total["dram_ms"])
         totals.append(total)
+    for row in rows + totals:
+        if "measured_ms" in row:
+            row["measured_over_issue"] = row["measured_ms"] / row["issue_ms"]
+            row["measured_over_bound"] = row["measured_ms"] / max(row["flop_ms"], row["dram_ms"])
     return rows + totals
 
 

@@ -81,6 +81,12 @@ def _device(name: str) -> str:
     return name
 
 
+def _gpu_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
 def run_cases(cases, infos, settings, *, fresh: bool, timeout: float) -> list[dict[str, Any]]:
     """Measure every case; a failed case becomes a row with its status and error."""
     from symattn_cli.bench.measure import measure_case, measure_fresh
@@ -163,7 +169,13 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)
     auto = backend_for(settings.device)  # builds the C++ kernel here, not in a timed case
-    asked = [backend_for(settings.device, backend=b) for b in cfg.attention_backends] or [auto]
+
+    def named(backend: str) -> str:  # auto may pick another backend for lifting layers
+        group, lifting = (backend_for(settings.device, backend=backend, grouped=grouped)
+                          for grouped in (True, False))  # fmt: skip
+        return group if group == lifting else f"{group} (lifting layers: {lifting})"
+
+    asked = [named(b) for b in cfg.attention_backends] or [named("auto")]
     backends = ", ".join(dict.fromkeys(asked))
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
@@ -276,6 +288,16 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     if gsa_triton.interpreted():
         raise ConfigError(f"preset=gpu-static compiles for a GPU: set {gsa_triton.ENV}=0")
     static.gpu_for(cfg.arch)
+    device = None if cfg.device == "cpu" else _device(cfg.device)
+    if device is not None:  # also run each launch there, compiled for the same architecture
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor != cfg.arch:
+            raise ConfigError(
+                f"device={cfg.device} is sm_{major}{minor} but arch={cfg.arch}: set "
+                f"arch={major}{minor} to time the kernels compiled for it"
+            )
     cases = preset.cases()
     if cfg.groups:  # the rotMNIST net of each group named, in the sum form
         cases = [gsa_model(group, batch=cases[0].batch) for group in cfg.groups]
@@ -288,8 +310,10 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     directory = run_dir()
     started = time.perf_counter()
     console = Console(width=None if sys.stdout.isatty() else 250)
-    print(f"benchmark preset=gpu-static: {len(cases)} cases compiled for sm_{cfg.arch}; "
-          f"estimates, not measurements; {static.assumptions(cfg.arch)}", flush=True)  # fmt: skip
+    timed = "not run" if device is None else f"each launch also timed on {_gpu_name(device)}"
+    print(f"benchmark preset=gpu-static: {len(cases)} cases compiled for sm_{cfg.arch} "
+          f"({timed}); the bounds are estimates; {static.assumptions(cfg.arch)}",
+          flush=True)  # fmt: skip
     backends = list(cfg.attention_backends) or ["triton"]
     for backend in backends:
         if backend not in static.KERNELS:
@@ -300,15 +324,17 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
         for which, backend in enumerate(backends):
             label = f"{case.name} {case.query_form} {case.group_index} b{case.batch} {backend}"
             case_rows = [{"case": label, "attention_backend": backend, **row}
-                         for row in static.report(case, cfg.arch, backend)]  # fmt: skip
+                         for row in static.report(case, cfg.arch, backend, device)]  # fmt: skip
             rows += case_rows
             console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
             for row in case_rows:
                 if row["layer"] == "total":
                     kernel = row["kernel"].replace("+", "_")
                     key = f"case{index}_" + (f"{backend}_" if which else "") + kernel
-                    for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions"):
-                        summary[f"{key}_{column}"] = row[column]
+                    for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions",
+                                   "measured_ms"):  # fmt: skip
+                        if column in row:
+                            summary[f"{key}_{column}"] = row[column]
                     summary[f"{key}_min_occupancy"] = row["occupancy"]
                     totals[index, backend, row["kernel"]] = row["issue_ms"]
         if len(backends) > 1:  # side by side: each backend's issue bound over the first's
@@ -321,7 +347,7 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     summary.update(cases=float(len(cases)), arch=float(cfg.arch),
                    seconds=time.perf_counter() - started)  # fmt: skip
     path = write_results_file(directory / RUN_FILE, command="benchmark", config_yaml=to_yaml(cfg),
-                              env=environment("cpu"), tables={"static": rows},
+                              env=environment(device or "cpu"), tables={"static": rows},
                               summary=summary)  # fmt: skip
     console.print(f"finished in {summary['seconds']:.1f} s; run file: {path}")
     return summary

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from symattn_cli.bench import static
 from symattn_cli.train.runfile import read_summary, read_table
@@ -92,3 +93,25 @@ def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     summary = read_summary(out / "run.h5")
     assert summary["arch"] == 90 and summary["case0_fwd_bwd_issue_ms"] > 0
     assert summary["case0_triton_tiles_fwd_bwd_issue_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_static_preset_times_each_launch_on_a_gpu(workdir: Path):
+    """With ``device=cuda`` every launch also runs on the GPU: a positive median time per
+    launch, summed in the totals, beside the bounds."""
+    major, minor = torch.cuda.get_device_capability()
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]", "device=cuda",
+        f"arch={major}{minor}", "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    if result.returncode != 0 and "no peak figures" in result.stderr:
+        pytest.skip(f"no peak figures for sm_{major}{minor}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_table(out / "run.h5", "static")
+    layers = rows["layer"] != "total"
+    assert np.all(rows["measured_ms"] > 0) and np.all(rows["measured_over_issue"] > 0)
+    fwd_bwd = rows["kernel"] == "fwd+bwd"
+    assert np.isclose(rows["measured_ms"][fwd_bwd][0], rows["measured_ms"][layers].sum())
+    assert read_summary(out / "run.h5")["case0_fwd_bwd_measured_ms"] > 0

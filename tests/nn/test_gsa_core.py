@@ -63,7 +63,7 @@ def _run(fn, inputs, form, dtype=torch.float64, seed=0, **kwargs):
     torch.manual_seed(seed)
     out = fn(*leaves, offsets, nb, valid, form=form, n=n, **kwargs)
     gen = torch.Generator().manual_seed(1)
-    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, dtype)
     (out * weights).sum().backward()
     return [out.detach()] + [t.grad for t in leaves if t is not None]
 

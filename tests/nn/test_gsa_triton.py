@@ -85,6 +85,22 @@ def test_matches_the_dense_oracle(form, shape, drop, block, device, monkeypatch)
     assert flags == [shape.get("by_v", False) and form == "sum"] * 2
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
+@pytest.mark.parametrize(("form", "shape"), [CASES[0], CASES[2], CASES[4]])
+def test_spatial_gradient_in_copies(backend, form, shape, device, monkeypatch):
+    """Programs add drho into copies of it (program p into copy p mod 3 here; one per SM on
+    a GPU) that are summed after the launch: the oracle's drho, and the other gradients."""
+    from symattn_cli.nn.gsa import triton_tiles
+
+    module = gsa_triton if backend == "triton" else triton_tiles
+    monkeypatch.setattr(module, "gradient_copies", lambda q, rho: 3)
+    inputs = _on(device, _inputs(z=2, n_q=5, **{k: v for k, v in shape.items()}))
+    ours = _run(factorised_attention, inputs, form, drop=0.3, backend=backend)
+    oracle = _run(_dense(0.3), inputs, form)
+    for a, b in zip(ours, oracle, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
 @pytest.mark.parametrize("block", [1, 4, None])
 def test_v_dependent_group_term_over_blocks(block, device, monkeypatch):
     """gl ``(Z, L, V, M, G)`` in the kernel: 9 neighbours (global offsets, one invalid for
@@ -186,9 +202,11 @@ def test_layers_agree_with_the_cpu_kernel_and_are_exactly_equivariant(
     assert max(r["max_rel"] for r in records) <= 1e-10, records
 
 
-def test_auto_backend_is_the_triton_kernel_on_cuda(monkeypatch):
+def test_auto_backend_is_a_triton_kernel_on_cuda(monkeypatch):
+    """The tiled kernel for group layers, the one-query-a-program kernel for lifting layers."""
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        assert core.backend_for("cuda", dtype) == "triton"
+        assert core.backend_for("cuda", dtype) == "triton_tiles"
+        assert core.backend_for("cuda", dtype, grouped=False) == "triton"
     assert core.backend_for("cuda", backend="torch") == "torch"  # the fallback, by name
     assert core.backend_for("cpu", torch.float32, "triton") == "triton"
     monkeypatch.setattr(gsa_triton, "available", lambda: False)
@@ -270,9 +288,12 @@ def test_kernels_compile_for_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize(("form", "shape"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gpu_kernel_matches_the_torch_backend(form, shape, dtype):
+@pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
+def test_gpu_kernel_matches_the_torch_backend(form, shape, dtype, backend):
+    """Both Triton kernels at the full sizes of every case, with dropout, against the torch
+    backend on the same GPU: float64 to round-off, float32 to its accuracy."""
     inputs = _on("cuda", _inputs(**shape))
-    ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="triton")
+    ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend=backend)
     plain = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="torch")
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     for a, b in zip(ours, plain, strict=True):
@@ -283,7 +304,8 @@ def test_gpu_kernel_matches_the_torch_backend(form, shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["lifting", "group_sum", "group_single", "network"])
 def test_gpu_layers_are_exactly_equivariant(kind):
-    assert core.backend_for("cuda", torch.float64) == "triton"
+    assert core.backend_for("cuda", torch.float64, grouped=False) == "triton"
+    assert core.backend_for("cuda", torch.float64) == "triton_tiles"
     records = layer_equivariance("z4m", kind, image_size=6, device="cuda")
     assert max(r["max_rel"] for r in records) <= 1e-10, records
 

@@ -10,6 +10,21 @@ DROP_STEPS = 1 << 15  # dropout rates are multiples of 2^-15
 _MASK32 = 0xFFFFFFFF
 
 
+def gradient_copies(q: torch.Tensor, rho: torch.Tensor | None, sms: int | None = None) -> int:
+    """Copies of the spatial table's gradient drho ``(V, D, e)`` that a Triton backward adds
+    into (program p into copy p mod copies), summed after the launch. Every program adds to
+    most of a local table's few entries, so on a GPU of ``sms`` multiprocessors (default: q's
+    GPU) one copy per SM keeps concurrent programs' atomic adds apart, as many as fit in the
+    memory of dq; one on the CPU (the interpreter runs programs one by one)."""
+    if rho is None:
+        return 1
+    if sms is None:
+        if q.device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return max(1, min(sms, q.numel() // max(rho.numel(), 1)))
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32), without int64 overflow."""
     lo = x * (c & 0xFFFF)

@@ -52,11 +52,13 @@ values, and none imports it:
   ``triton``  (:mod:`.triton`, :mod:`.triton_kernel`) the fused GPU kernel: one program per
               query, the same equations, its backward recomputing them from the outer
               softmax's log-sum-exp that the forward keeps; CUDA tensors (CPU tensors only in
-              Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+              Triton's interpreter, ``TRITON_INTERPRET=1``, for tests); auto's choice on CUDA
+              for lifting layers.
   ``triton_tiles`` (:mod:`.triton_tiles`, :mod:`.triton_tiles_kernel`) the GPU kernel
               reshaped: a tile of queries a program over their neighbours' halo, both
               products as matrix products (``tl.dot``), the group logits formed in the kernel
-              from the encoding; on the same devices as ``triton``, chosen by name only.
+              from the encoding; on the same devices as ``triton``; auto's choice on CUDA
+              for group layers.
   ``torch``   (:mod:`.torch`) the same algorithm in plain PyTorch over chunks of queries, each
               recomputed in the backward (activation checkpointing): any device.
 :func:`~symattn_cli.nn.gsa.dense.dense_attention` (:mod:`.dense`) is the reference algorithm
@@ -109,17 +111,19 @@ def _widen(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def backend_for(device, dtype=torch.float32, backend: str = "auto") -> str:
+def backend_for(device, dtype=torch.float32, backend: str = "auto", grouped: bool = True) -> str:
     """The backend a call on ``device`` with ``dtype`` runs: ``backend`` itself, or for
-    ``"auto"`` the Triton kernel on CUDA when Triton is installed, the fused CPU kernel where it
-    applies and is built, else ``"torch"``."""
+    ``"auto"`` on CUDA with Triton installed the tiled Triton kernel for a group layer
+    (``grouped``: G or M > 1) and the one-query-a-program kernel for a lifting layer, the
+    faster of the two for each on a GPU (docs/benchmark.md); the fused CPU kernel where it
+    applies and is built; else ``"torch"``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
     device = torch.device(device)
     if device.type == "cuda" and triton.available():
-        return "triton"
+        return "triton_tiles" if grouped else "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.load():
         return "cpp"
     return "torch"
@@ -130,7 +134,7 @@ def attention_backends(model: Any, device) -> str:
     sorted ("" when it has none); ``dense`` for a layer that runs the reference algorithm."""
     backends = {
         m.attention_backend if m.attention_backend == "dense" else
-        backend_for(device, backend=m.attention_backend)
+        backend_for(device, backend=m.attention_backend, grouped=not getattr(m, "lifting", False))
         for m in model.modules()
         if hasattr(m, "attention_backend")
     }  # fmt: skip
@@ -176,7 +180,7 @@ def factorised_attention(
     # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
     seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
     single = form == "single"
-    which = backend_for(q.device, q.dtype, backend)
+    which = backend_for(q.device, q.dtype, backend, grouped=q.shape[2] > 1 or k.shape[2] > 1)
     if which == "cpp":  # the kernel gathers the group logits from a table and an index
         if group_rho is not None and group_index is None:  # every (v, g, m) its own row
             group_index = torch.arange(group_rho[..., 0].numel()).view(group_rho.shape[:-1])

@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from symattn_cli.nn.gsa.common import gradient_copies
+
 ENV = "TRITON_INTERPRET"
 # Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
 # so that the sum form's backward compiles without register spills (r8: 16 neighbours a block).
@@ -103,10 +105,12 @@ class TritonAttention(torch.autograd.Function):
         drho = None if rho is None else torch.zeros_like(rho)
         z, n_q = q.shape[:2]
         if z * n_q:
-            grads = (dq, dk, dv, q if dgl is None else dgl, q if drho is None else drho)
+            grads, copies = (dq, dk, dv, q if dgl is None else dgl), gradient_copies(q, rho)
             kernel, grid, args, meta = backward_launch(grads, grad_out, lse, q, k, v, gl, rho,
-                                                       *ctx.args)  # fmt: skip
+                                                       *ctx.args, copies=copies)  # fmt: skip
             kernel[grid](*args, **meta)
+            if rho is not None:  # the copies of drho, summed
+                drho = args[4].sum(dim=0)
         return dq, dk, dv, dgl, drho, *(None,) * 7
 
 
@@ -125,15 +129,18 @@ def forward_launch(out, lse, q, k, v, gl, rho, *rest):
     return program.attention_forward, (q.shape[0] * q.shape[1],), (out, lse, *args), meta
 
 
-def backward_launch(grads, grad_out, lse, q, k, v, gl, rho, *rest):
+def backward_launch(grads, grad_out, lse, q, k, v, gl, rho, *rest, copies: int = 1):
     """The backward kernel, its grid, arguments and keyword arguments, writing ``grads`` (dq,
-    dk, dv, dgl, drho: zeroed; a stand-in for an absent one) from ``grad_out``
-    ``(Z, L, V, d)`` and the forward's ``lse``."""
+    dk, dv, dgl: zeroed; a stand-in for an absent dgl) and, with a spatial term, ``copies``
+    copies of drho (a new tensor ``(copies, V, D, e)``, argument 4, for the caller to sum)
+    from ``grad_out`` ``(Z, L, V, d)`` and the forward's ``lse``."""
     program, args, meta = _program(q, k, v, gl, rho, *rest)
     if meta["BO"] == 1:  # every v had the same output row: their gradients add up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
-    args = (*grads, grad_out, lse, *args, grad_out.shape[2])
+    dq, dk, dv, dgl = grads
+    drho = q if rho is None else rho.new_zeros(copies, *rho.shape)
+    args = (dq, dk, dv, dgl, drho, grad_out, lse, *args, grad_out.shape[2], copies)
     return program.attention_backward, (q.shape[0] * q.shape[1],), args, meta
 
 

@@ -19,7 +19,7 @@ out[g, c] = sum_j beta[0, j, g] W[j, g, c]). Every pass over the blocks recomput
             3. dW[j, g, c] = sum_k beta go[k, c]; dv = sum_g pik dW; dpi = keep sum_c v dW;
                dt = beta (dbeta - A), dlse = sum_k dt; dc = pi (dpi - sum_m pi dpi + dlse);
                then dq, dgl (this query's, in registers) and dk, dv, drho (shared by queries:
-               atomic adds).
+               atomic adds; drho into one of several copies, summed by the caller).
 
 With a group term that depends on the output element (GL_V, sum form only: gl ``(Z, L, V, M,
 G)``), pi and lse depend on v too, and T = V. Then a block's dot products q . k are computed
@@ -257,7 +257,7 @@ def attention_forward(
 def attention_backward(
     dq_ptr, dk_ptr, dv_ptr, dgl_ptr, drho_ptr, go_ptr, lse_ptr,
     q_ptr, k_ptr, v_ptr, gl_ptr, rho_ptr, off_ptr, nb_ptr, valid_ptr,
-    L, Lkv, J, M, G, d, e, D, V, T, s0, s1, threshold, GO,
+    L, Lkv, J, M, G, d, e, D, V, T, s0, s1, threshold, GO, COPIES,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, HAS_VALID: tl.constexpr, SINGLE: tl.constexpr,
     DROP: tl.constexpr,
@@ -265,11 +265,13 @@ def attention_backward(
     BO: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and dgl ``(Z, L, M, G)`` written, dk, dv ``(Z, Lkv, M, d)`` and
-    drho ``(V, D, e)`` added to (zeroed by the caller), from go = dL/dout ``(Z, L, GO, d)``
-    (GO = 1 where every v has the same output row: their gradients summed) and the forward's
-    log-sum-exp ``(Z, L, T, G)``; one query per program (grid: Z L). GL_V: dgl ``(Z, L, V,
-    M, G)`` added to (zeroed by the caller), each query's rows by its program only."""
+    drho ``(COPIES, V, D, e)`` added to (zeroed by the caller; program p adds to copy p mod
+    COPIES), from go = dL/dout ``(Z, L, GO, d)`` (GO = 1 where every v has the same output
+    row: their gradients summed) and the forward's log-sum-exp ``(Z, L, T, G)``; one query
+    per program (grid: Z L). GL_V: dgl ``(Z, L, V, M, G)`` added to (zeroed by the caller),
+    each query's rows by its program only."""
     pid = tl.program_id(0).to(tl.int64)
+    drho_ptr += (pid % COPIES) * V * D * e
     z = pid // L
     i = pid % L
     q_row = q_ptr + pid * G * d

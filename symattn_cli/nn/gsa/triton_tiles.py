@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from symattn_cli.nn.gsa.common import gradient_copies
 from symattn_cli.nn.gsa.triton import ENV, available, interpreted
 
 # Numbers in a block's largest tensor, (BQ, BG or R, BH, BM), held in registers: larger blocks
@@ -164,10 +165,13 @@ class TiledAttention(torch.autograd.Function):
         dgrho = None
         z, n_q = q.shape[:2]
         if z * n_q:
-            kernel, grid, args, meta = backward_launch((dq, dk, dv, drho), grad_out, lse, ctx.plan)
+            kernel, grid, args, meta = backward_launch((dq, dk, dv, drho), grad_out, lse, ctx.plan,
+                                                       copies=gradient_copies(q, rho))  # fmt: skip
             kernel[grid](*args, **meta)
             if grho is not None:  # each program's part, summed in a fixed order
                 dgrho = args[3].sum(dim=0)
+            if drho is not None:  # the copies of drho, summed
+                drho = args[4].sum(dim=0)
         elif grho is not None:
             dgrho = torch.zeros_like(grho)
         return dq, dk, dv, dgrho, drho, *(None,) * 7
@@ -189,11 +193,12 @@ def forward_launch(out, lse, launch):
     return program.attention_forward, grid, (out, lse, *args), meta
 
 
-def backward_launch(grads, grad_out, lse, launch):
+def backward_launch(grads, grad_out, lse, launch, copies: int = 1):
     """The backward kernel, its grid, arguments and keyword arguments by ``launch``
-    (:func:`plan`), writing ``grads`` (dq, dk, dv, drho: zeroed; None for an absent one) and
-    each program's d grho (a new tensor, argument 3) from ``grad_out`` ``(Z, L, V, d)`` and
-    the forward's ``lse``."""
+    (:func:`plan`), writing ``grads`` (dq, dk, dv: zeroed; drho: None when absent, else
+    ``copies`` copies of it go to a new tensor ``(copies, V, D, e)``, argument 4) and each
+    program's d grho (a new tensor, argument 3) from ``grad_out`` ``(Z, L, V, d)`` and the
+    forward's ``lse``; the caller sums both new tensors over their first axis."""
     program, grid, args, meta = launch
     q, grho = args[0], args[3]
     if meta["BR"] == 1:  # every v had the same output row: their gradients add up
@@ -201,8 +206,8 @@ def backward_launch(grads, grad_out, lse, launch):
     grad_out = grad_out.contiguous()
     dq, dk, dv, drho = grads
     dgrho = q.new_zeros(grid[0], *grho.shape) if meta["HAS_GL"] else q
-    args = (dq, dk, dv, dgrho, q if drho is None else drho, grad_out, lse, *args,
-            grad_out.shape[2])  # fmt: skip
+    drho = q if drho is None else drho.new_zeros(copies, *drho.shape)
+    args = (dq, dk, dv, dgrho, drho, grad_out, lse, *args, grad_out.shape[2], copies)
     return program.attention_backward, grid, args, meta
 
 

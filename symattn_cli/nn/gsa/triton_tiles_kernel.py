@@ -32,7 +32,8 @@ the encoding grho ``(Vg, G, M, c)`` (Vg = V when it depends on v: GL_V).
 
 dK and dVal are added to dk, dv once per (program, block) (atomic adds of the block's sum);
 d grho is summed per program into its own row of ``dgrho (programs, Vg, G, M, c)``, which the
-caller reduces, so it is deterministic; drho is added per (query, halo point) entry. On a GPU
+caller reduces, so it is deterministic; drho is added per (query, halo point) entry, into
+copy pid mod COPIES of it (the caller sums the copies). On a GPU
 the atomic adds make dk, dv and drho vary at round-off level from run to run. Accumulation is
 in the inputs' dtype (float32 products on tensor cores at float32 accuracy, ``tf32x3``; float64
 on its own units).
@@ -350,7 +351,7 @@ def attention_forward(
 def attention_backward(
     dq_ptr, dk_ptr, dv_ptr, dgrho_ptr, drho_ptr, go_ptr, lse_ptr,
     q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, halo_ptr, slot_ptr, row_ptr,
-    L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, s0, s1, threshold, GO,
+    L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, s0, s1, threshold, GO, COPIES,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
@@ -358,10 +359,12 @@ def attention_backward(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
-    ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(V, D, e)`` added to (zeroed by
-    the caller); from go = dL/dout ``(Z, L, GO, d)`` (GO = 1 where every v has the same output
-    row: their gradients summed) and the forward's log-sum-exp ``(Z, L, T, G)``. Grid: Z NT."""
+    ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
+    (zeroed by the caller; program p adds to copy p mod COPIES); from go = dL/dout ``(Z, L,
+    GO, d)`` (GO = 1 where every v has the same output row: their gradients summed) and the
+    forward's log-sum-exp ``(Z, L, T, G)``. Grid: Z NT."""
     pid = tl.program_id(0).to(tl.int64)
+    drho_ptr += (pid % COPIES) * V * D * e
     z = pid // NT
     t = pid % NT
     zl, q_ok, q2, qt, qe = _tile(q_ptr, z, t, L, G, d, c, e, BQ, BG, BD, BC, BE)

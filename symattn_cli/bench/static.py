@@ -24,8 +24,9 @@ with Triton (``cuobjdump``, ``nvdisasm``):
   instructions) and memory (the bytes each kernel must move at least, :func:`dram_bytes`,
   over the DRAM bandwidth).
 
-They are estimates from the compiled code, not measurements: the real GPU command is
-``symattn benchmark preset=gpu device=cuda attention_backends=[triton,torch]``.
+They are estimates from the compiled code, not measurements. With a GPU, :func:`measure`
+times each launch there beside its bounds (``device=cuda``), and ``symattn benchmark
+preset=gpu device=cuda`` times the whole training step.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ batch 2, fp32, forward + backward) and prints the ratios to the reference implem
 ``preset=default`` sweeps group order, neighbourhood, image and batch size, both group-layer
 forms and the convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
 training-step throughput (images per second) and memory at batches 8, 32 and 128 beside the
-z2 net and the plain CNN (``attention_backends=[triton,torch]``: each GSA net with the Triton
-kernel and with the plain PyTorch core); ``preset=gpu-static`` needs no GPU: it compiles the
-Triton kernels for ``arch`` at the r8 net's sizes and prints per kernel the registers,
-occupancy, weighted instruction counts and three lower bounds on the time
-(:mod:`symattn_cli.bench.static`); ``preset=quick`` takes seconds (tests).
+z2 net and the plain CNN (``attention_backends=[auto,triton,torch]``: each GSA net with each
+attention backend named); ``preset=gpu-static`` needs no GPU: it compiles the Triton kernels
+for ``arch`` at the r8 net's sizes and prints per kernel the registers, occupancy, weighted
+instruction counts and three lower bounds on the time (:mod:`symattn_cli.bench.static`), and
+with ``device=cuda`` each launch's measured time beside them; ``preset=quick`` takes seconds
+(tests).
 
 Writes ``<run dir>/run.h5`` with tables ``/results/cases`` (one row per case), ``/results/fits``
 (growth exponents) and ``/results/reference`` (the cases the reference was measured on), PNG

@@ -534,9 +534,8 @@ def _fresh_cache() -> Iterator[None]:
 
 
 def measure(launch: Launch, device: str) -> dict[str, float]:
-    """``launch`` run on the GPU ``device``: its median time (CUDA events, the L2 cache
-    flushed before each run: ``triton.testing.do_bench``) and that time over the issue bound
-    and over the larger of the FLOP and DRAM bounds of its row."""
+    """``launch`` run on the GPU ``device``: its median time in ms (CUDA events, the L2 cache
+    flushed before each run: ``triton.testing.do_bench``)."""
     import torch
     from triton.testing import do_bench
 

@@ -40,7 +40,9 @@ def _model_and_input(name: str):
 
 @pytest.mark.parametrize("name", symattn_cli.list_models())
 def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypatch):
-    monkeypatch.setattr(core, "backend_for", lambda device, dtype=None, backend="auto": "torch")
+    monkeypatch.setattr(
+        core, "backend_for", lambda device, dtype=None, backend="auto", grouped=True: "torch"
+    )
     model, x = _model_and_input(name)
     for module in model.modules():  # dropout on, where the model has it
         if isinstance(module, torch.nn.Dropout):

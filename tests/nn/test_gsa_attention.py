@@ -41,7 +41,9 @@ def test_torch_backend_agrees_and_is_exactly_equivariant(group, kind, monkeypatc
     cpu_out, *cpu_grads = values_and_gradients(module, x)
     asked = []
     monkeypatch.setattr(
-        core, "backend_for", lambda device, dtype=None, backend="auto": asked.append(1) or "torch"
+        core,
+        "backend_for",
+        lambda device, dtype=None, backend="auto", grouped=True: asked.append(1) or "torch",
     )
     torch_out, *torch_grads = values_and_gradients(module, x)
     assert asked  # the core did take the other backend

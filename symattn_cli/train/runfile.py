@@ -592,6 +592,14 @@ def _superblock(handle: int) -> bytes:
     return os.pread(handle, 12 + 4 * offsets + 4, 0)
 
 
+def _writer_flags(path: Path) -> bool:
+    """Whether the superblock (version 2 or 3) says a writer holds the file: set while a
+    writer has it open, and left set by one that died."""
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+    return len(head) == 12 and head[8] in (2, 3) and head[11] != 0
+
+
 def _cut_short(path: Path) -> str:
     """Why the file is shorter than HDF5's record of its end, or ``""`` when it is not: the
     end-of-file check HDF5 makes on a plain open, made by hand for files that must be read
@@ -729,8 +737,12 @@ def _open(path: Path) -> Iterator[h5py.File]:
             sizes = re.search(r"eof = (\d+).*stored_eof = (\d+)", text)
             what = (f"it is cut short: {sizes[1]} of its {sizes[2]} bytes are there" if sizes
                     else "it is cut short")  # fmt: skip
-            raise _damaged(path, what) from None
-        if "unable to lock file, errno = 11" in text:
+            if not _writer_flags(path):
+                raise _damaged(path, what) from None
+            # held by a writer, which may be extending it this moment: a live writer's file is
+            # read through SWMR; a dead writer's is checked for its length there
+            h5, live = _open_swmr(path)
+        elif "unable to lock file, errno = 11" in text:
             # A process holds the file this moment (locks die with their process): a live
             # writer, read through SWMR; an OSError here means it is not readable yet.
             h5, live = h5py.File(path, "r", libver="latest", swmr=True), True

@@ -307,3 +307,28 @@ def test_files_without_checksums_stay_readable_with_a_note(tmp_path):
         run.write_state({"epoch": 3})
         run.set_status("finished")
     assert read_state(path) == {"epoch": 3} and read_status(path) == "finished"
+
+
+def test_a_live_writers_file_mid_extension_is_read_not_refused(tmp_path, good, monkeypatch):
+    """A plain open can find a live writer's file shorter than its recorded end while the
+    writer extends it: read through SWMR, not refused. A closed file that HDF5 finds short
+    (no writer holds it) is damaged."""
+    import symattn_cli.train.runfile as runfile
+
+    plain = h5py.File
+
+    def extending(path, mode="r", *args, **kwargs):
+        if mode == "r" and not kwargs.get("swmr"):
+            raise OSError("unable to open file (truncated file: eof = 100, stored_eof = 200)")
+        return plain(path, mode, *args, **kwargs)
+
+    live = RunFile.create(tmp_path / "run.h5", command="train", config_yaml="seed: 0\n",
+                          env={}, epoch_metrics=["epoch"], step_metrics=["step"],
+                          summary_metrics=[])  # fmt: skip
+    with live:
+        live.append("epoch", {"epoch": 1})
+        live._h5.flush()
+        monkeypatch.setattr(runfile.h5py, "File", extending)
+        assert read_metrics(tmp_path / "run.h5")["epoch"].tolist() == [1.0]
+        with pytest.raises(DamagedRunFileError, match="cut short: 100 of its 200 bytes"):
+            read_metrics(good)

@@ -179,7 +179,6 @@ def launches(call: Call, backend: str = "triton", sms: int = 1) -> list[Launch]:
     z, n_q, _, d = q.shape
     out = q.new_empty(z, n_q, call.n, d)
     go = torch.zeros_like(out)
-    drho = None if rho is None else torch.zeros_like(rho)
     dqkv = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     if backend == "triton":
         enc = core.group_logits(q, call.group_rho, single)  # (Z, L, [V,] M, G)
@@ -195,7 +194,7 @@ def launches(call: Call, backend: str = "triton", sms: int = 1) -> list[Launch]:
         launch = triton_tiles.plan(q, k, v, enc, rho, *rest)
         kernels = (
             triton_tiles.forward_launch(out, lse, launch),
-            triton_tiles.backward_launch((*dqkv, drho), go, lse, launch, copies=copies),
+            triton_tiles.backward_launch(dqkv, go, lse, launch, copies=copies),
         )
     dtype = str(q.dtype).removeprefix("torch.")
     result = []

@@ -102,7 +102,7 @@ class TritonAttention(torch.autograd.Function):
         q, k, v, gl, rho, lse = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dgl = None if gl is None else torch.zeros_like(gl)
-        drho = None if rho is None else torch.zeros_like(rho)
+        drho = None if rho is None else torch.zeros_like(rho)  # no queries: no gradient
         z, n_q = q.shape[:2]
         if z * n_q:
             grads, copies = (dq, dk, dv, q if dgl is None else dgl), gradient_copies(q, rho)

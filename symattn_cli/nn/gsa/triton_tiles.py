@@ -160,17 +160,18 @@ class TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, grho, lse = ctx.saved_tensors
         _, _, (_, k, v, _, rho, *_), meta = ctx.plan
+        rho = rho if meta["HAS_RHO"] else None  # the plan holds a stand-in for an absent one
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        drho = torch.zeros_like(rho) if meta["HAS_RHO"] else None
+        drho = None if rho is None else torch.zeros_like(rho)  # no queries: no gradient
         dgrho = None
         z, n_q = q.shape[:2]
         if z * n_q:
-            kernel, grid, args, meta = backward_launch((dq, dk, dv, drho), grad_out, lse, ctx.plan,
+            kernel, grid, args, meta = backward_launch((dq, dk, dv), grad_out, lse, ctx.plan,
                                                        copies=gradient_copies(q, rho))  # fmt: skip
             kernel[grid](*args, **meta)
             if grho is not None:  # each program's part, summed in a fixed order
                 dgrho = args[3].sum(dim=0)
-            if drho is not None:  # the copies of drho, summed
+            if rho is not None:  # the copies of drho, summed
                 drho = args[4].sum(dim=0)
         elif grho is not None:
             dgrho = torch.zeros_like(grho)
@@ -195,18 +196,18 @@ def forward_launch(out, lse, launch):
 
 def backward_launch(grads, grad_out, lse, launch, copies: int = 1):
     """The backward kernel, its grid, arguments and keyword arguments by ``launch``
-    (:func:`plan`), writing ``grads`` (dq, dk, dv: zeroed; drho: None when absent, else
-    ``copies`` copies of it go to a new tensor ``(copies, V, D, e)``, argument 4) and each
-    program's d grho (a new tensor, argument 3) from ``grad_out`` ``(Z, L, V, d)`` and the
-    forward's ``lse``; the caller sums both new tensors over their first axis."""
+    (:func:`plan`), writing ``grads`` (dq, dk, dv: zeroed), each program's d grho (a new
+    tensor, argument 3) and, with a spatial term, ``copies`` copies of drho (a new tensor
+    ``(copies, V, D, e)``, argument 4) from ``grad_out`` ``(Z, L, V, d)`` and the forward's
+    ``lse``; the caller sums both new tensors over their first axis."""
     program, grid, args, meta = launch
-    q, grho = args[0], args[3]
+    q, grho, rho = args[0], args[3], args[4]
     if meta["BR"] == 1:  # every v had the same output row: their gradients add up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
-    dq, dk, dv, drho = grads
+    dq, dk, dv = grads
     dgrho = q.new_zeros(grid[0], *grho.shape) if meta["HAS_GL"] else q
-    drho = q if drho is None else drho.new_zeros(copies, *drho.shape)
+    drho = rho.new_zeros(copies, *rho.shape) if meta["HAS_RHO"] else q
     args = (dq, dk, dv, dgrho, drho, grad_out, lse, *args, grad_out.shape[2], copies)
     return program.attention_backward, grid, args, meta
 

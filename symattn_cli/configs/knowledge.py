@@ -26,13 +26,18 @@ class KnowledgeAttentionConfig:
     score_init: str = "attention"  # quadratic form A at start: attention ([[0,I],[0,0]]) | random
     # footnote (base n) | sinusoidal (base position_base) | learned | none | coupled (each
     # digit's significance, shared by operands and answer, as sinusoids) | abacus (the same
-    # index plus a random training offset, in a learned table); all seen through a frame F
+    # index plus a random training offset, in a learned table); all seen through a frame F;
+    # relative (the same index, read by the relative index scores only: no vectors)
     position: str = "footnote"
     position_base: float = 10000.0
     position_scale: float = 1.0  # initial scale of the position frame / table
     # coupled / abacus: random training offset k ∈ [0, this] added to every index;
     # -1 = the position's own (abacus: max_len // 2, coupled: 0)
     position_offset: int = -1
+    # coupled / abacus: K > 0 adds a learned per-head score of the index difference of query
+    # and key, clipped to [-K, K] (farther pairs share one value); 0 = none
+    relative_span: int = 0
+    relative_window: bool = False  # indexed keys more than relative_span away are not read
     norm: bool = True  # scalar-gain RMS norms (rotation equivariant)
     residual: bool = True
     vocab_size: int = 0  # 0 = from the data

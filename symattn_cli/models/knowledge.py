@@ -25,6 +25,16 @@ shared by the operands and the answer (position coupling, Cho et al. 2024); 0 fo
 training lengths are seen too. Either way p_t = F(…)
 rotates with the embedding (F → QF) and the invariance above holds exactly.
 
+Relative index scores (``relative_span`` K > 0, indexed positions only): every attention
+score gets a learned term b_h[u_ji] of the index difference of query j and key i,
+u_ji = clip(c_i − c_j, −K, K), and one more bucket where either index is 0 (an operator).
+The buckets also tell whether the query and the key are in the answer. Differences beyond
+K share one learned value, so pairs farther apart than any training sequence holds read as
+"far", as the pairs at K + 1 … 10 did in training. ``relative_window`` masks those pairs
+instead: an indexed token reads the indexed tokens within K of its index and the tokens
+without one, a window whose size does not grow with the length. The term and the mask are
+functions of the indices alone: invariant, the law above is unchanged.
+
 Causal answers (``DataSpec.causal_answer``): answer position t holds the answer token before
 it (teacher forcing in training); a prompt token reads the prompt only, an answer token the
 prompt and the answer up to itself. Evaluation decodes greedily: the answer inputs are the
@@ -89,8 +99,8 @@ FORMS = {
     "general": "softmax",  # X g₁ + Z g₂ of Prop. 3.2 (networks of XᵀX, ZᵀX, ZᵀZ)
     "perm": "softmax",  # ρ/ψ form of Prop. 4.1
 }
-POSITIONS = ("footnote", "sinusoidal", "learned", "coupled", "abacus", "none")
-INDEXED_POSITIONS = ("coupled", "abacus")  # index c_t from the token structure
+POSITIONS = ("footnote", "sinusoidal", "learned", "coupled", "abacus", "relative", "none")
+INDEXED_POSITIONS = ("coupled", "abacus", "relative")  # index c_t from the token structure
 CAUSAL_FORMS = ("softmax", "sigmoid", "kernel", "rbf")  # g reads each query's keys only
 NORMALIZERS = ("softmax", *ACTIVATIONS)
 DIGITS = tuple("0123456789")
@@ -130,6 +140,25 @@ def coupled_index(
     return torch.where(answer, answer_index, digit_index)
 
 
+def relative_buckets(index: torch.Tensor, answer: torch.Tensor, span: int) -> torch.Tensor:
+    """u (B, n, n) int64: bucket of (query j, key i) for the relative index scores.
+
+    With w = 2·span + 1: u_ji = clip(c_i − c_j, −span, span) + span + w·(2·[j in the answer]
+    + [i in the answer]) ∈ [0, 4w), and 4w where c_i or c_j is 0 (a token without an index).
+    ``index`` (B, n) int64: the coupled index c; ``answer`` (B, n) bool.
+    """
+    width = 2 * span + 1
+    diff = (index[:, None, :] - index[:, :, None]).clamp(-span, span) + span  # (B, n_j, n_i)
+    part = 2 * answer[:, :, None].long() + answer[:, None, :].long()  # (B, n_j, n_i)
+    unindexed = (index[:, None, :] == 0) | (index[:, :, None] == 0)  # (B, n_j, n_i)
+    return torch.where(unindexed, 4 * width, diff + width * part)
+
+
+def relative_bucket_count(span: int) -> int:
+    """The number of buckets of :func:`relative_buckets` (0 for no relative term)."""
+    return 4 * (2 * span + 1) + 1 if span else 0
+
+
 @dataclass
 class Layout:
     """What the tokens fix for one forward pass (B batch, n tokens)."""
@@ -139,6 +168,7 @@ class Layout:
     lengths: torch.Tensor  # (B,) real tokens per sequence
     index: torch.Tensor | None  # (B, n) coupled index of an indexed position, else None
     answer: torch.Tensor | None  # (B, n) True in the answer (indexed or causal), else None
+    buckets: torch.Tensor | None = None  # (B, n, n) relative index buckets, else None
 
 
 class KnowledgeSeq2Seq(nn.Module):
@@ -164,6 +194,8 @@ class KnowledgeSeq2Seq(nn.Module):
         position_offset: int = 0,
         causal: bool = False,
         slot_index: int = 1,
+        relative_span: int = 0,
+        relative_window: bool = False,
     ) -> None:
         super().__init__()
         self.pad_index = pad_index
@@ -177,6 +209,8 @@ class KnowledgeSeq2Seq(nn.Module):
         self.position_offset = position_offset  # random training offset k ∈ [0, offset]
         self.causal = causal
         self.slot_index = slot_index
+        self.relative_span = relative_span  # K of the relative index scores; 0: none
+        self.relative_window = relative_window  # indexed keys beyond K are not read
 
     def layout(self, tokens: torch.Tensor, position_shift: int = 0) -> Layout:
         real = tokens != self.pad_index  # (B, n)
@@ -195,23 +229,31 @@ class KnowledgeSeq2Seq(nn.Module):
                 index = index + offset * (index > 0)
             if position_shift:
                 index = index + position_shift * (index > 0)
-        attend = real
+        attend = real  # (B, n), or (B, n, n) per query
         if self.causal:
             pos = torch.arange(tokens.shape[1], device=tokens.device)
             earlier = pos[None, :, None] >= pos[None, None, :]  # (1, n_j, n_i): i ≤ j
             prompt = real & ~answer  # (B, n)
             attend = prompt[:, None, :] | (answer[:, :, None] & answer[:, None, :] & earlier)
-        return Layout(real, attend, real.sum(-1), index, answer)
+        buckets = None
+        if self.relative_span:
+            buckets = relative_buckets(index, answer, self.relative_span)
+        if self.relative_window:
+            indexed = (index[:, None, :] > 0) & (index[:, :, None] > 0)  # (B, n_j, n_i)
+            far = indexed & ((index[:, None, :] - index[:, :, None]).abs() > self.relative_span)
+            attend = (attend if attend.dim() == 3 else attend[:, None, :]) & ~far
+        return Layout(real, attend, real.sum(-1), index, answer, buckets)
 
     def logits(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
         """One pass: (B, n) tokens under ``layout`` → logits (B, n, V)."""
         x = self.embedding.t()[tokens]  # (B, n, d): columns E[:, token] as rows
         if layout.index is not None:
-            x = x + self.position(layout.index)  # (B, n, d)
+            if self.position is not None:  # position=relative: the index reaches the scores only
+                x = x + self.position(layout.index)  # (B, n, d)
         elif self.position is not None:
             x = x + self.position(layout.lengths, tokens.shape[1])  # (B, n, d)
         for block in self.blocks:
-            x = block(x, layout.attend)
+            x = block(x, layout.attend, buckets=layout.buckets)
         h = self.final_norm(x)  # (B, n, d)
         logits = torch.einsum("bnd,dV->bnV", h, self.embedding) * self.readout_scale
         return logits + self.out_bias  # (B, n, V)
@@ -334,6 +376,8 @@ def build_model(
     position_base: float = 10000.0,
     position_scale: float = 1.0,
     position_offset: int = -1,
+    relative_span: int = 0,
+    relative_window: bool = False,
     norm: bool = True,
     residual: bool = True,
     tokens: tuple[str, ...] = (),
@@ -347,13 +391,42 @@ def build_model(
     need the token strings (``tokens``: digits "0"–"9" and the slot "_") and the answer's
     digit order; ``position_offset`` is the largest random training offset of an indexed
     position (-1: abacus max_len // 2, coupled none); the abacus table has
-    max_len + offset + 1 rows. ``causal``: causal answers.
+    max_len + offset + 1 rows. ``relative_span`` K > 0 adds the relative index scores
+    (indexed positions and score-and-normaliser forms only); ``relative_window`` also stops
+    every indexed query from reading indexed keys more than K away. ``causal``: causal
+    answers.
     """
     if d_model < 1 or heads < 1 or layers < 0:
         raise ConfigError(
             f"model sizes must be positive: d_model={d_model}, heads={heads}, layers={layers}"
         )
     _choice("position", position, POSITIONS)
+    if relative_span < 0:
+        raise ConfigError(f"model.relative_span={relative_span} must be >= 0 (0: no relative term)")
+    if position == "relative" and not relative_span:
+        raise ConfigError(
+            "model.position=relative reads positions through the relative index scores only: "
+            "set model.relative_span to a positive span (e.g. 3)"
+        )
+    if relative_span and position not in INDEXED_POSITIONS:
+        raise ConfigError(
+            f"model.relative_span={relative_span} scores differences of position indices, but "
+            f"model.position={position} has none: use position=coupled or abacus, or "
+            "relative_span=0"
+        )
+    if relative_window and (not relative_span or form not in CAUSAL_FORMS):
+        raise ConfigError(
+            f"model.relative_window=true reads each digit's window of model.relative_span "
+            f"indices (now {relative_span}) through a per-query mask: it needs relative_span "
+            f"> 0 and a form that reads per-query masks, one of {CAUSAL_FORMS} "
+            f"(model.form={form})"
+        )
+    if relative_span and form in ("general", "perm"):
+        raise ConfigError(
+            f"model.relative_span={relative_span}: model.form={form} has no single score to add "
+            "the relative term to; use softmax, sigmoid, kernel, rbf or quartic, or "
+            "relative_span=0"
+        )
     knowledge = knowledge or max(2, 2 * (d_model // heads))
     value_dim = value_dim or max(1, d_model // heads)
     mlp_act = ACTIVATIONS[_choice("activation", activation, ACTIVATIONS)]
@@ -377,6 +450,7 @@ def build_model(
             knowledge=knowledge,
             value_dim=value_dim,
             coefficients=coefficients,
+            relative=relative_bucket_count(relative_span),
         )
         mlp = (
             PositionwiseMLP(d_model=d_model, hidden=mlp_hidden, activation=mlp_act)
@@ -417,7 +491,7 @@ def build_model(
         raise ConfigError(
             f"model.position_offset={position_offset} must be >= 0 (or -1: the position's own)"
         )
-    if position not in INDEXED_POSITIONS:
+    if position not in ("coupled", "abacus"):  # relative: differences ignore an offset
         position_offset = 0
     elif position_offset == -1:  # abacus: max_len // 2; coupled: none
         position_offset = max(1, max_len // 2) if position == "abacus" else 0
@@ -460,6 +534,8 @@ def build_model(
         position_offset=position_offset,
         causal=causal,
         slot_index=slot_index,
+        relative_span=relative_span,
+        relative_window=relative_window,
     )
 
 
@@ -482,6 +558,8 @@ _BUILD_KEYS = (
     "position_base",
     "position_scale",
     "position_offset",
+    "relative_span",
+    "relative_window",
     "norm",
     "residual",
 )

@@ -162,11 +162,12 @@ class Invariants:
 
     ``zx`` (B, h, n, k): y = Z_iᵀ X per head, in rows; ``xx`` (B, n, n); ``zz`` (B, h, k, k);
     ``mask`` (B, n) True at real (non-padded) tokens, or (B, n, n) True where query j may read
-    key i (causal decoding; the normalised score forms only, see :func:`broadcast_mask`).
+    key i (causal decoding; the normalised score forms only, see :func:`broadcast_mask`);
+    ``bias`` (B, h, n, n): a score term of the token indices alone (invariant), or None.
     """
 
-    def __init__(self, zx, mask, xx=None, zz=None) -> None:
-        self.zx, self.mask, self.xx, self.zz = zx, mask, xx, zz
+    def __init__(self, zx, mask, xx=None, zz=None, bias=None) -> None:
+        self.zx, self.mask, self.xx, self.zz, self.bias = zx, mask, xx, zz, bias
 
 
 class Score(nn.Module):
@@ -330,7 +331,10 @@ class Coefficients(nn.Module):
         self.normalizer = normalizer
 
     def forward(self, inv: Invariants) -> torch.Tensor:
-        return self.normalizer(self.score(inv), inv.mask)  # (B, h, n, n)
+        scores = self.score(inv)  # (B, h, n, n)
+        if inv.bias is not None:
+            scores = scores + inv.bias
+        return self.normalizer(scores, inv.mask)  # (B, h, n, n)
 
 
 class GeneralCoefficients(nn.Module):
@@ -490,9 +494,14 @@ class KnowledgeAttention(nn.Module):
 
     Law: f(QX, QZ; QWQᵀ) = Q f(X, Z; W) for every orthogonal Q (Def. 3.2), where Z includes
     the external knowledge; f(XP, Z) = f(X, Z)P for permutations P of the tokens (Def. 4.1).
+
+    ``relative > 0`` adds a learned score term b_h[u_ji] per head (h, relative) for bucket
+    indices u (B, n, n) passed to ``forward``: a function of the tokens' position indices,
+    not of X, so it is invariant and the law above holds unchanged (the normalised forms
+    only: :class:`Coefficients`).
     """
 
-    embedding_axes = {"z": (1,), "w_value": (2,), "w_out": (1,)}
+    embedding_axes = {"z": (1,), "w_value": (2,), "w_out": (1,), "relative_bias": ()}
 
     def __init__(
         self,
@@ -504,10 +513,17 @@ class KnowledgeAttention(nn.Module):
         coefficients: nn.Module,
         external: int = 0,
         init_scale: float = 1.0,
+        relative: int = 0,
     ) -> None:
         super().__init__()
         if knowledge + external < 1:
             raise ValueError("need at least one knowledge vector per head (knowledge + external)")
+        if relative and not isinstance(coefficients, Coefficients):
+            raise ValueError(
+                f"a relative score term needs a score-and-normaliser g; "
+                f"{type(coefficients).__name__} has no single score to add it to"
+            )
+        self.relative_bias = nn.Parameter(torch.zeros(heads, relative)) if relative else None
         self.heads, self.knowledge, self.external = heads, knowledge, external
         self.z = nn.Parameter(
             torch.randn(heads, d_model, knowledge) * init_scale / math.sqrt(d_model)
@@ -523,9 +539,11 @@ class KnowledgeAttention(nn.Module):
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
         knowledge: torch.Tensor | None = None,
+        buckets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` (B, n, d) rows; ``mask`` (B, n) True at real tokens, or (B, n, n) True where
-        query j reads key i (causal decoding); ``knowledge`` (B, m, d)."""
+        query j reads key i (causal decoding); ``knowledge`` (B, m, d); ``buckets`` (B, n, n)
+        int64 in [0, relative): the relative term's bucket of each (query j, key i)."""
         bsz, n, _ = x.shape
         if mask is None:
             mask = torch.ones(bsz, n, dtype=torch.bool, device=x.device)
@@ -549,6 +567,10 @@ class KnowledgeAttention(nn.Module):
             inv = Invariants(zx, mask, xx=xx, zz=zz)
         else:
             inv = Invariants(zx, mask)
+        if self.relative_bias is not None:
+            if buckets is None:
+                raise ValueError("this layer was built with a relative term: pass its buckets")
+            inv.bias = self.relative_bias[:, buckets].transpose(0, 1)  # (B, h, n, n)
         a = coef(inv)  # (B, h, n, keys): keys = n, or n + k with knowledge values
         values = x[:, None].expand(-1, self.heads, -1, -1)  # (B, h, n, d): columns of X
         if coef.knowledge_keys:
@@ -627,8 +649,8 @@ class KnowledgeBlock(nn.Module):
         self.norm2 = norm() if (norm is not None and mlp is not None) else nn.Identity()
         self.residual = residual
 
-    def forward(self, x, mask=None, knowledge=None):
-        update = self.attention(self.norm1(x), mask, knowledge)
+    def forward(self, x, mask=None, knowledge=None, buckets=None):
+        update = self.attention(self.norm1(x), mask, knowledge, buckets)
         x = x + update if self.residual else update
         if self.mlp is not None:
             update = self.mlp(self.norm2(x))

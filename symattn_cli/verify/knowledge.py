@@ -21,11 +21,13 @@ exactness claims, where they sit at 1e-15 … 1e-13). What is checked:
 * positions as knowledge (``position=coupled|abacus``, on addition): the same orthogonal
   invariance, the non-degeneracy check that the logits change when every position index
   moves (:func:`position_shift_change`), and for causal answers that no logit reads a later
-  answer token (:func:`causal_leak`).
+  answer token (:func:`causal_leak`); with relative index scores, that they read index
+  differences only and that the logits read them (:func:`relative_index_changes`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable
 
@@ -344,6 +346,24 @@ def position_shift_change(model: nn.Module, tokens: torch.Tensor, *, shift: int 
     model = model.eval()
     with torch.no_grad():
         return relative_error(model(tokens, position_shift=shift), model(tokens))
+
+
+def relative_index_changes(model: nn.Module, tokens: torch.Tensor) -> dict[str, float]:
+    """The relative index scores of ``model`` (``relative_span`` > 0, indexed positions), on a
+    copy whose position vectors are removed (frame F = 0), so that positions reach it through
+    the relative term only: ``shift``, the change when every index moves by one (0: a
+    function of index differences), and ``removed``, the change when the term is zeroed
+    (large: the model reads it)."""
+    model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        if model.position is not None:  # position=relative has no vectors
+            model.position.frame.zero_()
+        shift = position_shift_change(model, tokens)
+        ref = model(tokens)
+        for block in model.blocks:
+            block.attention.relative_bias.zero_()
+        removed = relative_error(model(tokens), ref)
+    return {"shift": shift, "removed": removed}
 
 
 def causal_leak(model: nn.Module, tokens: torch.Tensor) -> float:

@@ -186,6 +186,24 @@ def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
                 leak = kv.causal_leak(indexed, example)
                 add("causality", layer, "later answer tokens replaced", leak, "exact",
                     "earlier logits unchanged")  # fmt: skip
+    example, spec = kv.addition_example(causal=True)
+    torch.manual_seed(seed)
+    options = {"form": "softmax", "position": "abacus", "relative_span": 2,
+               "relative_window": True, "d_model": 8, "heads": 2, "layers": 2, "knowledge": 6,
+               "mlp_hidden": 16}  # fmt: skip
+    relative = build_ka(options, spec).to(torch_dtype).eval()
+    for block in relative.blocks:
+        torch.nn.init.normal_(block.attention.relative_bias)
+    layer = "ka_softmax + abacus + relative span 2, window, causal (addition)"
+    errors = kv.model_orthogonal_errors(relative, example, seed=seed)
+    add("O(d)", layer, "(E,Z,W,F)→(QE,QZ,QWQᵀ,QF), 4 Haar Q", errors["with_knowledge"],
+        "exact", "logits invariant")  # fmt: skip
+    add("O(d)", layer, "E→QE alone", errors["embedding_only"], "violation")
+    changes = kv.relative_index_changes(relative, example)
+    add("positions", layer, "c→c+1, position vectors removed", changes["shift"], "exact",
+        "the relative term reads index differences only")  # fmt: skip
+    add("positions", layer, "relative term removed (non-degeneracy)", changes["removed"],
+        "violation", "the logits see index differences")  # fmt: skip
     return rows
 
 

@@ -174,3 +174,88 @@ def test_indexed_positions_and_causal_answers_refuse_what_they_cannot_do():
     model, example, _ = addition_model("abacus")
     with pytest.raises(ValueError, match="exceeds the table"):
         model(example, position_shift=1000)
+
+
+# --------------------------------------------------------------------------------------------
+# Relative index scores
+# --------------------------------------------------------------------------------------------
+
+
+def test_relative_buckets_clip_index_differences_and_set_operators_apart():
+    from symattn_cli.models.knowledge import relative_buckets
+
+    index = torch.tensor([[3, 2, 1, 0, 1, 0, 1, 2, 3, 4]])  # 473 + 5 = _ _ _ _
+    answer = torch.tensor([[False] * 6 + [True] * 4])
+    # (1, n, n): c_i − c_j ∈ [−2, 2] → 0..4, + 5·(2·[query in answer] + [key in answer]); 20
+    buckets = relative_buckets(index, answer, 2)
+    assert buckets[0, 6].tolist() == [14, 13, 12, 20, 12, 20, 17, 18, 19, 19]  # answer, c = 1
+    assert buckets[0, 3].tolist() == [20] * 10  # query '+': no index
+    assert buckets[0, 9, 0].item() == 11 and buckets[0, 0, 9].item() == 8  # 3 − 4, 4 − 3
+
+
+@pytest.mark.parametrize("form", ["softmax", "sigmoid", "kernel", "rbf"])
+def test_relative_index_scores_are_invariant_translation_free_and_seen(form):
+    from symattn_cli.verify.knowledge import position_shift_change
+
+    model, example, _ = addition_model("abacus", causal=True, form=form, relative_span=2)
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attention.relative_bias)
+    errors = model_orthogonal_errors(model, example, samples=2)
+    assert errors["with_knowledge"] <= TOL and errors["embedding_only"] > CLEAR_FAILURE
+    with torch.no_grad():
+        model.position.frame.zero_()  # positions reach the model through the relative term only
+        assert position_shift_change(model, example) <= TOL  # a function of differences only
+        before = model(example)
+        for block in model.blocks:
+            block.attention.relative_bias.zero_()
+        assert (model(example) - before).norm() / before.norm() > CLEAR_FAILURE  # it is read
+
+
+@pytest.mark.parametrize("position", ["coupled", "abacus", "relative"])
+def test_relative_index_changes_measure_translation_and_use(position):
+    from symattn_cli.verify.knowledge import relative_index_changes
+
+    model, example, _ = addition_model(position, causal=True, relative_span=3)
+    assert (model.position is None) == (position == "relative")
+    errors = model_orthogonal_errors(model, example, samples=2)
+    assert errors["with_knowledge"] <= TOL and errors["embedding_only"] > CLEAR_FAILURE
+    assert relative_index_changes(model, example)["removed"] == 0.0  # zero at the start
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attention.relative_bias)
+    changes = relative_index_changes(model, example)
+    assert changes["shift"] <= TOL and changes["removed"] > CLEAR_FAILURE
+
+
+def test_relative_window_reads_indexed_keys_within_the_span_only():
+    model, example, _ = addition_model("abacus", causal=True, relative_span=1, relative_window=True)
+    weights = []
+    for block in model.blocks:
+        block.attention.coefficients.register_forward_hook(lambda m, a, out: weights.append(out))
+    with torch.no_grad():
+        layout = model.layout(example)
+        model.logits(example, layout)
+    c = layout.index  # (B, n)
+    indexed = (c[:, None, :] > 0) & (c[:, :, None] > 0)  # (B, n_j, n_i)
+    far = indexed & ((c[:, None, :] - c[:, :, None]).abs() > 1)
+    near = indexed & ~far & layout.attend
+    assert far.any() and near.any()
+    for a in weights:  # (B, h, n, n)
+        assert (a.permute(1, 0, 2, 3)[:, far] == 0).all()
+        assert (a.permute(1, 0, 2, 3)[:, near] > 0).all()
+    unwindowed, _, _ = addition_model("abacus", causal=True, relative_span=1)
+    assert (unwindowed.layout(example).attend.expand_as(far)[far]).any()  # masked by the window
+
+
+def test_relative_index_scores_refuse_what_they_cannot_do():
+    with pytest.raises(ConfigError, match="relative_span=2 scores differences"):
+        build_model(vocab_size=15, pad_index=0, max_len=12, relative_span=2, **SMALL)
+    with pytest.raises(ConfigError, match="form=general has no single score"):
+        addition_model("coupled", form="general", relative_span=2)
+    with pytest.raises(ConfigError, match="position=relative reads positions through"):
+        addition_model("relative")
+    with pytest.raises(ConfigError, match="relative_window=true reads each digit's window"):
+        addition_model("abacus", relative_window=True)
+    with pytest.raises(ConfigError, match="relative_window=true.*model.form=quartic"):
+        addition_model("abacus", form="quartic", relative_span=2, relative_window=True)
+    with pytest.raises(ConfigError, match="relative_span=-1 must be >= 0"):
+        addition_model("coupled", relative_span=-1)

@@ -91,7 +91,8 @@ def test_suite_checks_indexed_positions_and_causal_answers():
     from symattn_cli.verify.suite import indexed_position_checks
 
     rows = indexed_position_checks(dtype="float64", seed=0)
-    assert len(rows) == 14  # {coupled, abacus} × {one pass: 3 checks, causal: 4}
+    # {coupled, abacus} × {one pass: 3 checks, causal: 4}; abacus + relative term: 4
+    assert len(rows) == 18
     assert {r.verdict for r in rows} == {"pass", "fails as expected"}
     for row in rows:
         if row.expect == "exact":
@@ -99,5 +100,5 @@ def test_suite_checks_indexed_positions_and_causal_answers():
         else:  # embedding rotated alone; position indices moved: the output must change
             assert row.rel_err > 1e-2, row
     shifted = [r for r in rows if "non-degeneracy" in r.element]
-    assert len(shifted) == 4 and {r.symmetry for r in shifted} == {"positions"}
+    assert len(shifted) == 5 and {r.symmetry for r in shifted} == {"positions"}
     assert sum(r.symmetry == "causality" and r.rel_err == 0.0 for r in rows) == 2

@@ -199,10 +199,11 @@ def test_models_and_data_bring_their_trainer_and_presets_and_the_command_line_wi
 
 def test_addition_recipe_composes_positions_as_knowledge_and_causal_answers():
     cfg = compose_train("experiment=ka_addition")
-    assert (cfg.model.family, cfg.model.form, cfg.model.position) == ("ka", "softmax", "abacus")
+    assert (cfg.model.family, cfg.model.form, cfg.model.position) == ("ka", "softmax", "coupled")
     assert cfg.model.position_offset == 64
+    assert cfg.model.relative_span == 3 and cfg.model.relative_window is True
     assert (cfg.data.name, cfg.data.decoding, cfg.data.max_digits) == ("addition", "causal", 10)
     assert cfg.data.reverse_answer is True
     assert cfg.trainer.batch_size == 64 and cfg.trainer.epochs == 8
-    other = compose_train("experiment=ka_addition", "model.position=coupled", "data.max_digits=5")
-    assert other.model.position == "coupled" and other.data.max_digits == 5
+    other = compose_train("experiment=ka_addition", "model.position=abacus", "data.max_digits=5")
+    assert other.model.position == "abacus" and other.data.max_digits == 5

@@ -104,6 +104,47 @@ def rotate_embedding(
 # --------------------------------------------------------------------------------------------
 
 
+class PairPooledActivation(torch.autograd.Function):
+    """S_ij = Σ_k r_k σ(a_k + b_i + c_j): the hidden sum over k of a network on triples.
+
+    a, b, c (B, h, n, H): the per-token first-layer terms of the k, i and j arguments; r (B, n)
+    weights over k (the real-token mask); S (B, h, n_i, n_j, H). Formed one query i at a time,
+    forward and backward (where each slice's activations are formed again), so no
+    (B, h, n, n, n, H) tensor is held: memory O(n²H) in place of O(n³H).
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, c, r, activation):
+        ctx.save_for_backward(a, b, c, r)
+        ctx.activation = activation
+        bsz, heads, n, width = a.shape
+        rows = r[:, None, None, :].to(a.dtype)  # (B, 1, 1, n_k)
+        out = a.new_empty(bsz, heads, n, n, width)
+        for i in range(n):
+            act = activation(a[:, :, :, None] + (b[:, :, i, None, None] + c[:, :, None, :]))
+            out[:, :, i] = torch.matmul(rows, act.reshape(bsz, heads, n, -1)).reshape(
+                bsz, heads, n, width
+            )  # act: (B, h, n_k, n_j, H)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b, c, r = ctx.saved_tensors
+        weight = r.to(a.dtype)[:, None, :, None, None]  # (B, 1, n_k, 1, 1)
+        da, db, dc = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(c)
+        for i in range(a.shape[2]):
+            with torch.enable_grad():
+                pre = (a[:, :, :, None] + (b[:, :, i, None, None] + c[:, :, None, :])).detach()
+                pre.requires_grad_(True)
+                act = ctx.activation(pre)  # (B, h, n_k, n_j, H)
+                (dpre,) = torch.autograd.grad(act, pre, weight * grad[:, :, i, None])
+            da += dpre.sum(3)
+            db[:, :, i] = dpre.sum((2, 3))
+            dc += dpre.sum(2)
+        return da, db, dc, None, None
+
+
 class HeadwiseMLP(nn.Module):
     """A one-hidden-layer network per head on a concatenation of broadcastable arguments.
 
@@ -133,23 +174,38 @@ class HeadwiseMLP(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(heads, out_features))
         self.activation = activation
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+    def project(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        """The first layer per argument: (B, h, ..., F_a) -> (B, h, ..., H), bias not added."""
         if len(args) != len(self.in_features):
             raise ValueError(f"expected {len(self.in_features)} arguments, got {len(args)}")
-        pre = None
+        terms = []
         for weight, arg in zip(torch.split(self.first, self.in_features, dim=1), args, strict=True):
             bsz, heads, *between, feat = arg.shape
             flat = arg.reshape(bsz, heads, -1, feat)  # (B, h, S, F): S = the broadcast axes
             term = torch.einsum("bhsf,hfH->bhsH", flat, weight)  # (B, h, S, H)
-            term = term.reshape(bsz, heads, *between, -1)  # (B, h, ..., H)
-            pre = term if pre is None else pre + term  # broadcast-add over the arguments
-        bsz, heads, *between, hidden = pre.shape
+            terms.append(term.reshape(bsz, heads, *between, -1))  # (B, h, ..., H)
+        return terms
+
+    def readout(self, hidden: torch.Tensor, count: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """second-layer map of a sum of ``count`` hidden activations: Σ σ(·) W₂ + count b₂.
+
+        ``hidden`` (B, h, ..., H); ``count`` broadcastable to (B, h, ...). The second layer is
+        affine, so the sum of the network's outputs is the readout of its hidden sum.
+        """
+        bsz, heads, *between, width = hidden.shape
+        flat = hidden.reshape(bsz, heads, -1, width)  # (B, h, S, H)
+        out = torch.einsum("bhsH,hHo->bhso", flat, self.second).reshape(bsz, heads, *between, -1)
+        count = torch.as_tensor(count, dtype=hidden.dtype, device=hidden.device)
         ones = (1,) * len(between)
-        hidden_act = self.activation(pre + self.bias.reshape(heads, *ones, hidden))
-        flat = hidden_act.reshape(bsz, heads, -1, hidden)  # (B, h, S, H)
-        out = torch.einsum("bhsH,hHo->bhso", flat, self.second)  # (B, h, S, O)
-        out = out.reshape(bsz, heads, *between, -1)  # (B, h, ..., O)
-        return out + self.out_bias.reshape(heads, *ones, -1)
+        return out + count[..., None] * self.out_bias.reshape(heads, *ones, -1)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        pre = None
+        for term in self.project(*args):
+            pre = term if pre is None else pre + term  # broadcast-add over the arguments
+        heads, hidden = self.bias.shape
+        ones = (1,) * (pre.dim() - 3)
+        return self.readout(self.activation(pre + self.bias.reshape(heads, *ones, hidden)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,26 +510,66 @@ class PermutationCoefficients(nn.Module):
         y, mask = inv.zx, token_mask(inv.mask, "the Prop. 4.1 form")  # (B, h, n, k), (B, n)
         n = y.shape[2]
         eye = torch.eye(n, dtype=torch.bool, device=y.device)
-        y_k = y[:, :, :, None, None, :]  # (B, h, n_k, 1, 1, k)
-        y_i = y[:, :, None, :, None, :]  # (B, h, 1, n_i, 1, k)
-        y_j = y[:, :, None, None, :, :]  # (B, h, 1, 1, n_j, k)
-        real_k = mask[:, None, :, None].to(y.dtype)  # (B, 1, n_k, 1)
-        # diagonal: Σ_{k≠i} ψ₁(y_k, y_i)
-        psi1 = self.psi1(y[:, :, :, None, :], y[:, :, None, :, :])  # (B, h, n_k, n_i, p)
-        keep1 = real_k * (~eye).to(y.dtype)  # (B, 1, n_k, n_i)
-        sum1 = (psi1 * keep1[..., None]).sum(2)  # (B, h, n_i, p)
+        real = mask.to(y.dtype)  # (B, n_k)
+        if isinstance(self.psi1, HeadwiseMLP) and isinstance(self.psi2, HeadwiseMLP):
+            sum1, sum2 = self._mlp_sums(y, real)
+        else:
+            sum1, sum2 = self._sums(y, real, eye)
         diag = self.rho1(y, sum1)[..., 0]  # (B, h, n_i)
-        # off-diagonal: Σ_{k≠i,j} ψ₂(y_k, y_i, y_j)
-        psi2 = self.psi2(y_k, y_i, y_j)  # (B, h, n_k, n_i, n_j, p)
-        not_ij = ~(eye[:, :, None] | eye[:, None, :])  # (n_k, n_i, n_j)
-        keep2 = real_k[..., None] * not_ij.to(y.dtype)  # (B, 1, n_k, n_i, n_j)
-        sum2 = (psi2 * keep2[..., None]).sum(2)  # (B, h, n_i, n_j, p)
         off = self.rho2(y[:, :, :, None, :], y[:, :, None, :, :], sum2)[..., 0]  # (B,h,n_i,n_j)
         g = torch.where(eye, torch.diag_embed(diag), off)  # (B, h, n_i, n_j): g̃_ij
         a = g.transpose(-1, -2)  # (B, h, n_j, n_i): a[j, i] = g̃_ij
         if self.normalize == "softmax":
             return SoftmaxNormalizer()(a, mask)
         return a * mask[:, None, None, :].to(a.dtype)
+
+    def _sums(self, y: torch.Tensor, real: torch.Tensor, eye: torch.Tensor):
+        """Σ_{k≠i} ψ₁(y_k, y_i) (B, h, n_i, p) and Σ_{k≠i,j} ψ₂(y_k, y_i, y_j) (B, h, n_i, n_j, p)
+        over real k, for any callables ψ: every term is formed, then masked and summed."""
+        real_k = real[:, None, :, None]  # (B, 1, n_k, 1)
+        psi1 = self.psi1(y[:, :, :, None, :], y[:, :, None, :, :])  # (B, h, n_k, n_i, p)
+        keep1 = real_k * (~eye).to(y.dtype)  # (B, 1, n_k, n_i)
+        sum1 = (psi1 * keep1[..., None]).sum(2)
+        y_k = y[:, :, :, None, None, :]  # (B, h, n_k, 1, 1, k)
+        y_i = y[:, :, None, :, None, :]  # (B, h, 1, n_i, 1, k)
+        y_j = y[:, :, None, None, :, :]  # (B, h, 1, 1, n_j, k)
+        psi2 = self.psi2(y_k, y_i, y_j)  # (B, h, n_k, n_i, n_j, p)
+        not_ij = ~(eye[:, :, None] | eye[:, None, :])  # (n_k, n_i, n_j)
+        keep2 = real_k[..., None] * not_ij.to(y.dtype)  # (B, 1, n_k, n_i, n_j)
+        return sum1, (psi2 * keep2[..., None]).sum(2)
+
+    def _mlp_sums(self, y: torch.Tensor, real: torch.Tensor):
+        """The sums of :meth:`_sums` for one-hidden-layer ψ (:class:`HeadwiseMLP`), factored.
+
+        ψ(y_k, y_i, y_j) = σ(a_k + b_i + c_j) W₂ + b₂ with a, b, c the first layer's per-token
+        terms (bias in a). The readout is affine, so Σ_k ψ = (Σ_k σ(·)) W₂ + (count) b₂, and
+        the sum over k ∉ {i, j} is the sum over all real k less the k = i and k = j terms:
+        one (B, h, n, n, n, H) activation, contracted over k by a matrix product, and no
+        (n, n, n, p) output. Entries with i = j are formed but unused.
+        """
+        bsz, heads, n, _ = y.shape
+        act1, act2 = self.psi1.activation, self.psi2.activation
+        rows = real[:, None, None, :]  # (B, 1, 1, n_k): a row vector to contract k
+        r_i, r_j = real[:, None, :, None], real[:, None, None, :]  # (B, 1, n, 1), (B, 1, 1, n)
+        # ψ₁: hidden (B, h, n_k, n_i, H)
+        a, b = self.psi1.project(y, y)
+        a = a + self.psi1.bias[:, None, :]
+        width = a.shape[-1]
+        act = act1(a[:, :, :, None] + b[:, :, None]).reshape(bsz, heads, n, -1)  # (B,h,n_k,n_i·H)
+        all_k = torch.matmul(rows, act)
+        own = act1(a + b)  # (B, h, n_i, H): the k = i term
+        hidden1 = all_k.reshape(bsz, heads, n, width) - r_i * own
+        sum1 = self.psi1.readout(hidden1, real.sum(1)[:, None, None] - r_i[..., 0])
+        # ψ₂: hidden (B, h, n_k, n_i, n_j, H)
+        a, b, c = self.psi2.project(y, y, y)
+        a = a + self.psi2.bias[:, None, :]
+        all_k = PairPooledActivation.apply(a, b, c, real, act2)  # (B, h, n_i, n_j, H)
+        at_i = act2((a + b)[:, :, :, None] + c[:, :, None, :])  # (B, h, n_i, n_j, H): k = i
+        at_j = act2(b[:, :, :, None] + (a + c)[:, :, None, :])  # k = j
+        hidden2 = all_k - r_i[..., None] * at_i
+        hidden2 = hidden2 - r_j[..., None] * at_j
+        count2 = real.sum(1)[:, None, None, None] - r_i - r_j  # (B, 1, n_i, n_j)
+        return sum1, self.psi2.readout(hidden2, count2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -174,3 +174,32 @@ def test_indexed_positions_rotate_with_the_embedding_and_vanish_at_index_zero(ki
     if kind == "table":
         with pytest.raises(ValueError, match="index 9 exceeds the table's 9 rows"):
             pos(index + 5)
+
+
+def test_perm_factored_sums_match_every_term_summed():
+    """The Prop. 4.1 form's factored ψ sums (one hidden activation contracted over k, the
+    k = i and k = j terms taken out) equal every ψ term formed, masked and summed: values and
+    gradients, float64, with padded tokens."""
+    torch.manual_seed(0)
+    coef = make_coefficients(form="perm", heads=H, knowledge=K, d_model=D).double()
+    for param in coef.parameters():
+        param.data.normal_()  # biases too: zeros at start would hide the count terms
+    y = torch.randn(2, H, 6, K, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    real, eye = mask.double(), torch.eye(6, dtype=torch.bool)
+    weight = torch.randn(2, H, 6, 6, dtype=torch.float64).masked_fill(eye, 0)  # i = j unused
+    inputs = [y, *coef.psi1.parameters(), *coef.psi2.parameters()]
+
+    def run(sums):
+        sum1, sum2 = sums
+        loss = (sum1 * sum1.detach().cos()).sum() + (sum2 * weight[..., None]).sum()
+        return sum1, sum2.masked_fill(eye[..., None], 0), torch.autograd.grad(loss, inputs)
+
+    want1, want2, want_grads = run(coef._sums(y, real, eye))
+    got1, got2, got_grads = run(coef._mlp_sums(y, real))
+    assert relative_error(got1, want1) <= TOL
+    assert relative_error(got2, want2) <= TOL
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert relative_error(got, want) <= TOL
+    assert relative_error(coef._mlp_sums(y, real.flip(1))[1], got2) > CLEAR_FAILURE

@@ -317,17 +317,33 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
 
     The counter sees tensor operations, not the inside of a fused kernel: attention layers
     run their plain PyTorch backend while counting (the same algorithm, the same products),
-    without recomputation.
+    without recomputation. A FLOP count depends on shapes only, so the floating-point
+    tensors autograd saves for the backward are kept as their shapes and handed back as
+    zeros (integer ones, such as gather indices, are kept): the count's peak memory is one
+    operation's, not the whole forward's, which a global layer would not fit.
     """
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    def pack(tensor):
+        if not tensor.is_floating_point():
+            return tensor
+        return tensor.shape, tensor.dtype, tensor.device
+
+    def unpack(saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        shape, dtype, device = saved
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
     layers = [m for m in module.modules() if hasattr(m, "attention_backend")]
     saved = [(m.attention_backend, m.checkpointing) for m in layers]
     for m in layers:
         m.attention_backend, m.checkpointing = "torch", False
     try:
-        with FlopCounterMode(display=False) as counter:
-            step()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with FlopCounterMode(display=False) as counter:
+                step()
     finally:
         for m, (backend, checkpointing) in zip(layers, saved, strict=True):
             m.attention_backend, m.checkpointing = backend, checkpointing

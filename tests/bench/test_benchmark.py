@@ -249,6 +249,30 @@ def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
         torch.set_num_threads(threads)
 
 
+def test_flop_count_keeps_saved_tensors_as_shapes_and_counts_the_same():
+    """count_flops hands autograd's saved floating tensors back as zeros of their shapes (so
+    a global layer's count fits in memory): the count equals a plain count of the torch
+    backend, for a group term that depends on v (the largest saved tensors) and a small net."""
+    from dataclasses import replace
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symattn_cli.bench.measure import _step_fn, build_case, count_flops
+    from symattn_cli.bench.suite import gsa_layer, gsa_model
+
+    pair = replace(gsa_layer("r8", "sum", patch=None, side=4, batch=1), group_index="pair")
+    for case in (pair, gsa_model("z2", batch=1, patch=3)):
+        module, x, loss = build_case(case, torch.device("cpu"))
+        for m in module.modules():
+            if hasattr(m, "attention_backend"):
+                m.attention_backend, m.checkpointing = "torch", False
+        with FlopCounterMode(display=False) as plain:
+            _step_fn(module, x, loss, "train")()
+        counted = count_flops(_step_fn(module, x, loss, "train"), module)
+        assert counted == plain.get_total_flops() > 0
+
+
 def test_measure_case_runs_the_attention_backend_asked_for():
     settings = Settings(repeats=1, warmup=0, threads=1, modes=("train",), count_flops=False)
     row = measure_case(replace(TINY, attention_backend="torch"), settings)

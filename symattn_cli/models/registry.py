@@ -20,6 +20,7 @@ FAMILY_MODULES = {
     "gsa": "symattn_cli.models.gsa_net",
     "ka": "symattn_cli.models.knowledge",
 }
+IMAGE_FAMILIES = ("cnn", "gcnn", "gsa")  # the rest (ka) read token sequences
 
 # What create_model assumes when no data is given: each family's natural dataset.
 DEFAULT_SPECS = {
@@ -40,6 +41,12 @@ def build_model(options: Mapping[str, Any], spec: DataSpec):
     if family not in FAMILY_MODULES:
         raise ModelConfigError(
             f"model family {family!r} is unknown; choose one of {sorted(FAMILY_MODULES)}"
+        )
+    if family in IMAGE_FAMILIES and spec.task != "classify":
+        raise ModelConfigError(
+            f"model family {family!r} classifies images; the data's task is {spec.task!r}: use "
+            "an image dataset (data=rotmnist_mini, rotmnist, mnist, cifar10 or pcam), or a "
+            "knowledge-attention model (model=ka_softmax, ...) for token sequences"
         )
     module = importlib.import_module(FAMILY_MODULES[family])
     return module.build(options, spec)

@@ -74,6 +74,24 @@ def test_registry_builder_and_default_spec():
 
 
 @pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"form": "perm", "g_hidden": 0}, "model.g_hidden=0"),
+        ({"form": "perm", "g_features": 0}, "model.g_features=0"),
+        ({"form": "general", "g_hidden": -1}, "model.g_hidden=-1"),
+        ({"knowledge": -2}, "model.knowledge=-2"),
+        ({"value_dim": -1}, "model.value_dim=-1"),
+        ({"mlp_hidden": -8}, "model.mlp_hidden=-8"),
+    ],
+)
+def test_sizes_that_cannot_build_are_refused_by_name(options, message):
+    with pytest.raises(ConfigError, match=message):
+        build(options, default_spec({}))
+    if "g_" in message:  # the width is only read by the forms with networks of invariants
+        assert build({**options, "form": "softmax", **SMALL}, default_spec({})) is not None
+
+
+@pytest.mark.parametrize(
     "name",
     ["ka_softmax", "ka_sigmoid", "ka_kernel", "ka_rbf", "ka_quartic", "ka_general", "ka_perm"],
 )

@@ -34,3 +34,19 @@ def test_matched_models_are_within_five_percent_of_each_other():
 
 def test_r4_mini_is_the_default_model():
     assert model_config("r4_mini") == model_config("gsa_mini")
+
+
+def test_image_models_refuse_token_data_by_name():
+    """An image classifier given a sequence task is refused before it is built, naming the
+    family, the task and the datasets to use; knowledge attention still builds on it."""
+    import pytest
+
+    from symattn_cli.errors import ConfigError
+    from symattn_cli.models.registry import build_model, default_spec
+
+    tokens = default_spec("ka", {})
+    for name in ("cnn_mini", "gcnn_mini", "r4_mini"):
+        family = model_config(name)["family"]
+        with pytest.raises(ConfigError, match=f"model family '{family}' classifies images"):
+            build_model(model_config(name), tokens)
+    assert build_model(model_config("ka_softmax"), tokens) is not None

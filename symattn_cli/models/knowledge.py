@@ -400,20 +400,18 @@ def build_model(
         raise ConfigError(
             f"model sizes must be positive: d_model={d_model}, heads={heads}, layers={layers}"
         )
-    zero_means = {
-        "knowledge": "2·d_model/heads",
-        "value_dim": "d_model/heads",
-        "mlp_hidden": "no MLP",
-    }
-    sizes = {"knowledge": knowledge, "value_dim": value_dim, "mlp_hidden": mlp_hidden}
-    for name, meaning in zero_means.items():
-        if sizes[name] < 0:
-            raise ConfigError(f"model.{name}={sizes[name]} must be >= 0 (0: {meaning})")
-    widths = {"g_hidden": g_hidden, "g_features": g_features}
-    for name in {"general": ("g_hidden",), "perm": ("g_hidden", "g_features")}.get(form, ()):
-        if widths[name] < 1:
+    for name, value, zero in (
+        ("knowledge", knowledge, "2·d_model/heads"),
+        ("value_dim", value_dim, "d_model/heads"),
+        ("mlp_hidden", mlp_hidden, "no MLP"),
+    ):
+        if value < 0:
+            raise ConfigError(f"model.{name}={value} must be >= 0 (0: {zero})")
+    networks = {"general": ("g_hidden",), "perm": ("g_hidden", "g_features")}.get(form, ())
+    for name, value in (("g_hidden", g_hidden), ("g_features", g_features)):
+        if name in networks and value < 1:
             raise ConfigError(
-                f"model.{name}={widths[name]}: the {form} form's networks of invariants need "
+                f"model.{name}={value}: the {form} form's networks of invariants need "
                 "a width of at least 1 (the presets use 16 or 32)"
             )
     _choice("position", position, POSITIONS)

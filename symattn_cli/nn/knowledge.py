@@ -543,9 +543,9 @@ class PermutationCoefficients(nn.Module):
 
         ψ(y_k, y_i, y_j) = σ(a_k + b_i + c_j) W₂ + b₂ with a, b, c the first layer's per-token
         terms (bias in a). The readout is affine, so Σ_k ψ = (Σ_k σ(·)) W₂ + (count) b₂, and
-        the sum over k ∉ {i, j} is the sum over all real k less the k = i and k = j terms:
-        one (B, h, n, n, n, H) activation, contracted over k by a matrix product, and no
-        (n, n, n, p) output. Entries with i = j are formed but unused.
+        the sum over k ∉ {i, j} is the sum over all real k less the k = i and k = j terms.
+        The hidden sum over k is :class:`PairPooledActivation`, formed one query at a time;
+        no (n, n, n, ·) tensor is held. Entries with i = j are formed but unused.
         """
         bsz, heads, n, _ = y.shape
         act1, act2 = self.psi1.activation, self.psi2.activation
@@ -566,8 +566,7 @@ class PermutationCoefficients(nn.Module):
         all_k = PairPooledActivation.apply(a, b, c, real, act2)  # (B, h, n_i, n_j, H)
         at_i = act2((a + b)[:, :, :, None] + c[:, :, None, :])  # (B, h, n_i, n_j, H): k = i
         at_j = act2(b[:, :, :, None] + (a + c)[:, :, None, :])  # k = j
-        hidden2 = all_k - r_i[..., None] * at_i
-        hidden2 = hidden2 - r_j[..., None] * at_j
+        hidden2 = all_k - r_i[..., None] * at_i - r_j[..., None] * at_j
         count2 = real.sum(1)[:, None, None, None] - r_i - r_j  # (B, 1, n_i, n_j)
         return sum1, self.psi2.readout(hidden2, count2)
 

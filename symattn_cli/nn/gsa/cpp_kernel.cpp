@@ -63,6 +63,8 @@ typedef float VecF __attribute__((vector_size(64)));
 typedef double VecD __attribute__((vector_size(64)));
 typedef int32_t VecI __attribute__((vector_size(64)));
 typedef int64_t VecL __attribute__((vector_size(64)));
+typedef uint32_t VecU16 __attribute__((vector_size(64)));  // 32-bit words of 16 or 8 lanes
+typedef uint32_t VecU8 __attribute__((vector_size(32)));
 
 template <typename S>
 struct Lanes;
@@ -70,6 +72,7 @@ template <>
 struct Lanes<float> {
   using V = VecF;
   using I = VecI;
+  using U = VecU16;
   static constexpr int bias = 127, mantissa = 23;
   static constexpr float low = -87.0f;          // exp below: subnormal or 0
   static constexpr float round = 12582912.0f;   // 1.5 * 2^23: adding it rounds to integers
@@ -79,6 +82,7 @@ template <>
 struct Lanes<double> {
   using V = VecD;
   using I = VecL;
+  using U = VecU8;
   static constexpr int bias = 1023, mantissa = 52;
   static constexpr double low = -708.0;
   static constexpr double round = 6755399441055744.0;  // 1.5 * 2^52
@@ -109,8 +113,9 @@ typename Lanes<S>::V exp_shifted(typename Lanes<S>::V x) {
   return x < low ? V{} : p * reinterpret_cast<const V&>(bits);
 }
 
-// The dropout hash of common.keep_mask.
-inline uint32_t hash32(uint32_t x) {
+// The dropout hash of common.keep_mask, on one number or on a vector of them lane by lane.
+template <typename U>
+inline U hash32(U x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -144,15 +149,17 @@ struct Problem {
   bool single, by_v;
   uint32_t threshold, s0, s1;  // dropout: keep iff hash mod 2^15 >= threshold
 
-  S keep(uint64_t flat) const {
-    uint32_t x = hash32(static_cast<uint32_t>(flat) ^ s0);
-    x = hash32(x ^ s1 ^ static_cast<uint32_t>(flat >> 32));
-    return (x & 0x7FFFu) >= threshold ? S(1) : S(0);
+  // The keep mask (1 or 0) at flat indices lo + hi 2^32, lane by lane (U: T lanes of
+  // uint32_t).
+  template <typename U>
+  U keep(U lo, U hi) const {
+    const U x = hash32<U>(hash32<U>(lo ^ s0) ^ s1 ^ hi);
+    return (x & 0x7FFFu) >= threshold ? U{} + 1 : U{};
   }
   int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
-  // The (..., L)-laid row of batch-head z, element g and channel c (gc = g d + c) of a
-  // (Z, d, n, L) tensor (q and dq: n = G; k, v and their gradients: n = M).
-  int64_t row(int64_t z, int64_t gc, int64_t n) const { return (z * d + gc % d) * n + gc / d; }
+  // The (..., L)-laid row of batch-head z, element g and channel c of a (Z, d, n, L) tensor
+  // (q and dq: n = G; k, v and their gradients: n = M); a tile holds it at g d + c.
+  int64_t row(int64_t z, int64_t g, int64_t c, int64_t n) const { return (z * d + c) * n + g; }
   bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
   int64_t rows() const { return by_v ? V : single ? 1 : K; }  // outer softmaxes per tile
   // Whether the spatial term is one table for every query and every g (local, sum form).
@@ -176,11 +183,11 @@ struct Tile {
   // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane; emb_lanes
   // (R, c): the group embedding, broadcast; tq (G, R): q[g, d-c:] . emb[r]
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local, *emb_lanes, *tq;
-  // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx); for the current v: ev, evk (J,
-  // M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl (M, G); mxv (J, G): the fallback's
-  // maxima; beta, a (J, G): beta and beta / sm; acc (G); u (K, J, G): outer logits less lse;
-  // pv (V, J, M): P
-  V *c0, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
+  // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx), e0k (J, M, G) its kept part;
+  // for the current v: ev, evk (J, M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl
+  // (M, G); mxv (J, G): the fallback's maxima; beta, a (J, G): beta and beta / sm; acc (G);
+  // u (K, J, G): outer logits less lse; pv (V, J, M): P
+  V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
   // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
@@ -194,14 +201,15 @@ struct Tile {
                              (bv ? 1 : p.rows()) * J * G, std::max<int64_t>(p.e, 1),
                              std::max(M * G, p.e), p.spatial_table() ? p.V * J * p.e : 0,
                              p.R * p.c, G * p.R,
-                             bv * JMG, bv * JMG, bv && p.threshold ? JMG : 0, bv * M * G,
+                             bv * JMG, bv && p.threshold ? JMG : 0, bv * JMG,
+                             bv && p.threshold ? JMG : 0, bv * M * G,
                              bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * J * M * d, b * J * M * d, b * JMG,
                              b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
                              b * p.R * p.c};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
-                    &emb_lanes, &tq, &c0, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
+                    &emb_lanes, &tq, &c0, &e0k, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
                     &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv, &dtq, &demb};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
@@ -239,7 +247,8 @@ struct Tile {
     z = z_;
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
-    for (int64_t gc = 0; gc < G * d; ++gc) q[gc] = row_at(p.q + p.row(z, gc, G) * p.L);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < d; ++c) q[g * d + c] = row_at(p.q + p.row(z, g, c, G) * p.L);
     layout.resize(J);
     first.resize(J);
     int64_t index[T];
@@ -252,22 +261,21 @@ struct Tile {
       }
       layout[j] = consecutive ? kConsecutive : same ? kSame : kScattered;
       first[j] = index[0];
-      for (int64_t mc = 0; mc < M * d; ++mc) {
-        const S* k_row = p.k + p.row(z, mc, M) * Lkv;
-        const S* v_row = p.v + p.row(z, mc, M) * Lkv;
-        V& kd = kg[j * M * d + mc];
-        V& vd = vg[j * M * d + mc];
-        switch (layout[j]) {
-          case kConsecutive:
-            kd = loadu<V>(k_row + index[0]), vd = loadu<V>(v_row + index[0]);
-            break;
-          case kSame:
-            kd = V{} + k_row[index[0]], vd = V{} + v_row[index[0]];
-            break;
-          default:
-            kd = lanes(k_row, index), vd = lanes(v_row, index);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < d; ++c) {
+          const int64_t at = p.row(z, m, c, M) * Lkv, mc = (j * M + m) * d + c;
+          const S *k_row = p.k + at, *v_row = p.v + at;
+          switch (layout[j]) {
+            case kConsecutive:
+              kg[mc] = loadu<V>(k_row + index[0]), vg[mc] = loadu<V>(v_row + index[0]);
+              break;
+            case kSame:
+              kg[mc] = V{} + k_row[index[0]], vg[mc] = V{} + v_row[index[0]];
+              break;
+            default:
+              kg[mc] = lanes(k_row, index), vg[mc] = lanes(v_row, index);
+          }
         }
-      }
     }
   }
 
@@ -404,19 +412,27 @@ void outer_logits(const Problem<S>& p, Tile<S>& tl, int64_t k, typename Tile<S>:
   }
 }
 
-// b[j, g] <- sm exp(b - max_j b) / sum_j (...) = softmax_j(b + log sm), in place.
+// b[j, g] <- sm exp(b - max_j b) / sum_j (...) = softmax_j(b + log sm), in place; with a,
+// also a[j, g] = b / sm (no division).
 template <typename S>
-void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename Tile<S>::V* sm) {
+void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename Tile<S>::V* sm,
+                   typename Tile<S>::V* a = nullptr) {
   using V = typename Tile<S>::V;
   const S inf = std::numeric_limits<S>::infinity();
   for (int64_t g = 0; g < G; ++g) {
     V top = V{} - inf;
     for (int64_t j = 0; j < J; ++j) top = b[j * G + g] > top ? b[j * G + g] : top;
     V sum{};
-    for (int64_t j = 0; j < J; ++j)
-      sum += b[j * G + g] = sm[j * G + g] * exp_shifted<S>(b[j * G + g] - top);
+    for (int64_t j = 0; j < J; ++j) {
+      const V x = exp_shifted<S>(b[j * G + g] - top);
+      if (a) a[j * G + g] = x;
+      sum += b[j * G + g] = sm[j * G + g] * x;
+    }
     const V inv = 1 / sum;
-    for (int64_t j = 0; j < J; ++j) b[j * G + g] *= inv;
+    for (int64_t j = 0; j < J; ++j) {
+      b[j * G + g] *= inv;
+      if (a) a[j * G + g] *= inv;
+    }
   }
 }
 
@@ -458,11 +474,20 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
       for (int64_t m = 0; m < M; ++m) pj[m * G + g] *= inv;
     }
     V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
-    if (kp) {
+    if (kp) {  // the mask at flat index (((z L + i) J + j) M + m) G + g, all lanes at once
+      using U = typename Lanes<S>::U;
+      U lo, hi;
       for (int64_t t = 0; t < T; ++t) {
         const uint64_t flat = static_cast<uint64_t>(((tl.z * p.L + tl.i[t]) * J + j) * M * G);
-        for (int64_t mg = 0; mg < M * G; ++mg) kp[mg][t] = p.keep(flat + mg);
+        lo[t] = static_cast<uint32_t>(flat), hi[t] = static_cast<uint32_t>(flat >> 32);
       }
+      for (int64_t mg = 0; mg < M * G; ++mg) {
+        const U lo_mg = lo + static_cast<uint32_t>(mg);
+        const U carry = lo_mg < lo ? U{} + 1 : U{};  // mg < 2^32: at most one carry
+        kp[mg] = __builtin_convertvector(p.keep(lo_mg, hi + carry), V);
+      }
+      if (p.by_v)  // E0 keep, which every v scales by its group term
+        for (int64_t mg = 0; mg < M * G; ++mg) tl.e0k[j * M * G + mg] = pj[mg] * kp[mg];
     }
     // W[j, g] = sum_m pi keep[j, m, g] v[j, m]
     if (!p.by_v)
@@ -500,9 +525,11 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
   }
   V least = V{} + inf;
   for (int64_t j = 0; j < J; ++j) {
-    const V* e0 = tl.pi + j * MG;
-    V* evj = tl.ev + j * MG;
+    const V *e0 = tl.pi + j * MG, *e0k = tl.e0k + j * MG;
+    V *evj = tl.ev + j * MG, *evkj = tl.evk + j * MG;
     for (int64_t mg = 0; mg < MG; ++mg) evj[mg] = e0[mg] * tl.egl[mg];
+    if (p.threshold)
+      for (int64_t mg = 0; mg < MG; ++mg) evkj[mg] = e0k[mg] * tl.egl[mg];
     for (int64_t g = 0; g < G; ++g) {
       V sum = evj[g];
       for (int64_t m = 1; m < M; ++m) sum += evj[m * G + g];
@@ -530,19 +557,22 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
       }
     }
     shift = tl.mxv;
+    if (p.threshold)
+      for (int64_t a = 0; a < J * MG; ++a) tl.evk[a] = tl.ev[a] * tl.keep[a];
   }
   // beta = softmax_j(s[v] + shift + log sm)
   const V* uv = tl.u + (p.K > 1 ? v : 0) * J * G;
   for (int64_t jg = 0; jg < J * G; ++jg) tl.beta[jg] = uv[jg] + shift[jg];
-  outer_softmax<S>(J, G, tl.beta, tl.sm);
-  for (int64_t jg = 0; jg < J * G; ++jg) tl.a[jg] = tl.beta[jg] / tl.sm[jg];
-  if (p.threshold)
-    for (int64_t a = 0; a < J * MG; ++a) tl.evk[a] = tl.ev[a] * tl.keep[a];
+  outer_softmax<S>(J, G, tl.beta, tl.sm, tl.a);
   const V* evk = p.threshold ? tl.evk : tl.ev;
   // P[v, j, m] = sum_g beta pi keep = sum_g a evk
   V* pv = tl.pv + v * J * M;
   for (int64_t j = 0; j < J; ++j)
-    contract<V>(pv + j * M, 0, 1, {tl.a + j * G, 0, 1}, {evk + j * MG, G, 1}, 1, M, G, false);
+    for (int64_t m = 0; m < M; ++m) {
+      V sum{};
+      for (int64_t g = 0; g < G; ++g) sum += tl.a[j * G + g] * evk[(j * M + m) * G + g];
+      pv[j * M + m] = sum;
+    }
 }
 
 // out (Z, d, V, L) at the tile's queries.
@@ -609,8 +639,11 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
       const V* dp = tl.dpv + v * JM;
       V* dtv = tl.dt + v * J * G;
       // dbeta[j, g] = sum_m pi keep dP = (1 / sm) sum_m evk dP, into dt
+      std::fill(dtv, dtv + J * G, V{});
       for (int64_t j = 0; j < J; ++j)
-        contract<V>(dtv + j * G, 0, 1, {dp + j * M, 0, 1}, {evk + j * MG, 1, G}, 1, G, M, false);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t g = 0; g < G; ++g)
+            dtv[j * G + g] += dp[j * M + m] * evk[(j * M + m) * G + g];
       // acc[g] = sum_j beta dbeta;  dt = beta (dbeta - acc)
       for (int64_t g = 0; g < G; ++g) {
         V sum{};
@@ -718,12 +751,16 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     contract<V>(tl.demb, c, 1, {tl.dtq, 1, R}, {tl.q + d - c, 1, d}, R, c, G, true);
   }
   // scatter to the tile's queries and their neighbours
-  for (int64_t gc = 0; gc < G * d; ++gc) tl.store_row(gr.dq + p.row(tl.z, gc, G) * p.L, tl.dq[gc]);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < d; ++c)
+      tl.store_row(gr.dq + p.row(tl.z, g, c, G) * p.L, tl.dq[g * d + c]);
   for (int64_t j = 0; j < J; ++j)
-    for (int64_t mc = 0; mc < M * d; ++mc) {  // outside neighbours add 0 (beta = 0)
-      tl.scatter_add(p, j, gr.dk + p.row(tl.z, mc, M) * p.Lkv, tl.dkg[j * M * d + mc]);
-      tl.scatter_add(p, j, gr.dv + p.row(tl.z, mc, M) * p.Lkv, tl.dvg[j * M * d + mc]);
-    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < d; ++c) {  // outside neighbours add 0 (beta = 0)
+        const int64_t at = p.row(tl.z, m, c, M) * p.Lkv, mc = (j * M + m) * d + c;
+        tl.scatter_add(p, j, gr.dk + at, tl.dkg[mc]);
+        tl.scatter_add(p, j, gr.dv + at, tl.dvg[mc]);
+      }
 }
 
 template <typename S>

@@ -144,11 +144,10 @@ def test_logits_far_outside_exp_range_stay_finite(dtype, case, backend):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_group_term_that_sees_v_against_key_logits_far_the_other_way(dtype, backend):
-    """The key logits favour key element 0 and a v-dependent group term element 1, each by
-    more than exp's range (100 for float32, 1000 for float64): exp of each part underflows
-    where exp of their sum does not. Values and gradients still match the float64 oracle."""
+def opposed_inputs(dtype) -> tuple:
+    """Core inputs whose key logits favour key element 0 and whose v-dependent group term
+    favours element 1, each by more than exp's range in ``dtype`` (100 for float32, 1000 for
+    float64)."""
     q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(by_v=True, local=False)
     far = torch.zeros(k.shape[2], dtype=torch.float64)
     far[0] = 100.0 if dtype == torch.float32 else 1000.0
@@ -156,7 +155,15 @@ def test_group_term_that_sees_v_against_key_logits_far_the_other_way(dtype, back
     k = torch.cat([k, far.expand(*k.shape[:3])[..., None]], dim=-1)  # ... +far on m = 0
     v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
     g_rho = torch.cat([g_rho, far.roll(1).expand(*g_rho.shape[:3])[..., None]], dim=-1)  # m = 1
-    inputs = (q, k, v, g_rho, rho, offsets, nb, valid, n)
+    return q, k, v, g_rho, rho, offsets, nb, valid, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_term_that_sees_v_against_key_logits_far_the_other_way(dtype, backend):
+    """The key logits favour key element 0 and a v-dependent group term element 1, each by
+    more than exp's range (100 for float32, 1000 for float64): exp of each part underflows
+    where exp of their sum does not. Values and gradients still match the float64 oracle."""
+    inputs = opposed_inputs(dtype)
     ours = _run(factorised_attention, inputs, "sum", dtype, drop=0.2, backend=backend)
     oracle = _run(_dense(0.2), inputs, "sum")
     # float32: q's gradient sums terms of the logits' size (100) to a result of order 1

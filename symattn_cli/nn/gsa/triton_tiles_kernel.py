@@ -14,9 +14,12 @@ layers; local ones read row j). Both products are matrix products (``tl.dot``):
 
 with the inner softmax pi = softmax_m(S + gl_r) and lse_r over m, the outer logits
 t_r = lse_r + q[:, :e] . rho[r, row] (-inf off the slots) and beta_r = exp(t_r - LSE_r), its
-log-sum-exp over the halo; the mixed weights P[i, r, h, m] = sum_g beta_r pik_r (pik = pi keep)
-in the sum form, with R = T rows r (T = V with a spatial term or a group term that depends on
-v, else 1); in the single form (g = v) P[i, g, h, m] = beta pik, R = G rows, rho read at row g.
+log-sum-exp over the halo. No logarithm is taken per entry: lse_r = imax_r + log isum_r (the
+maximum over m and the sum of exp(. - imax_r)), so beta_r = isum_r exp(y_r - LSE_r) with
+y_r = imax_r + q[:, :e] . rho[r, row]. The mixed weights P[i, r, h, m] = sum_g beta_r pik_r
+(pik = pi keep) in the sum form, with R = T rows r (T = V with a spatial term or a group term
+that depends on v, else 1); in the single form (g = v) P[i, g, h, m] = beta pik, R = G rows,
+rho read at row g.
 The group logits gl_r[i, g, m] = q[i, g, d-c:] . grho[r, g, m] are formed in the kernel from
 the encoding grho ``(Vg, G, M, c)`` (Vg = V when it depends on v: GL_V).
 
@@ -83,8 +86,8 @@ def _group_logits(qt, grho_ptr, r, G, M, c, BG: tl.constexpr, BM: tl.constexpr,
 @triton.jit
 def _inner(s, gl, counts, M, G, HAS_GL: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr):
     """The inner softmax over m of s = q . k ``(BQ, BG, BH, BM)`` plus the group logits ``gl``
-    ``(BQ, BG, BM)``: pi (0 where (i, h) is no neighbour and in the padding) and lse
-    ``(BQ, BG, BH)``."""
+    ``(BQ, BG, BM)``: pi (0 where (i, h) is no neighbour and in the padding), and its log-sum-exp
+    as imax + log isum, the maximum over m and the sum of exp(. - imax) ``(BQ, BG, BH)``."""
     m = tl.arange(0, BM)[None, None, None, :]
     g = tl.arange(0, BG)[None, :, None, None]
     if HAS_GL:
@@ -93,8 +96,16 @@ def _inner(s, gl, counts, M, G, HAS_GL: tl.constexpr, BG: tl.constexpr, BM: tl.c
     top = tl.max(s, axis=3)  # finite: m = 0 always counts
     p = tl.exp(s - top[:, :, :, None])
     total = tl.sum(p, axis=3)
-    pi = tl.where(counts[:, None, :, None] & (g < G), p / total[:, :, :, None], 0.0)
-    return pi, top + tl.log(total)
+    pi = tl.where(counts[:, None, :, None] & (g < G), p * (1.0 / total)[:, :, :, None], 0.0)
+    return pi, top, total
+
+
+@triton.jit
+def _row_softmax(s, qt, grho_ptr, r, counts, M, G, c, BG: tl.constexpr, BM: tl.constexpr,
+                 BC: tl.constexpr):  # fmt: skip
+    """:func:`_inner` of s plus row r of a v-dependent group term."""
+    gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)  # (BQ, BG, BM)
+    return _inner(s, gl, counts, M, G, True, BG, BM)
 
 
 @triton.jit
@@ -192,25 +203,33 @@ def _product(a, b, PRECISION: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
 @triton.jit
 def _scores(
     h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c,
-    HAS_GL: tl.constexpr, HAS_OFFSETS: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr,
-    BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+    HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_OFFSETS: tl.constexpr, PRECISION: tl.constexpr,
+    BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+    BC: tl.constexpr,
 ):  # fmt: skip
     """A halo block (:func:`_block`), its dot products s ``(BQ, BG, BH, BM)`` and the inner
-    softmax pi, lse at the group term's row 0."""
+    softmax pi, imax, isum at the group term's row 0, which a v-dependent group term (GL_V)
+    forms per row instead (:func:`_row_softmax`; zeros stand in here)."""
     rows, exists, slot, counts, where, keys = _block(
         h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
     )
     s4 = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
-    gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-    pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
-    return rows, exists, slot, counts, where, keys, s4, pi, lse
+    if GL_V:
+        pi = s4
+        imax = tl.zeros((BQ, BG, BH), s4.dtype)
+        isum = imax
+    else:
+        gl = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
+        pi, imax, isum = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+    return rows, exists, slot, counts, where, keys, s4, pi, imax, isum
 
 
 @triton.jit
-def _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
+def _outer(imax, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
            SINGLE: tl.constexpr, BG: tl.constexpr, BE: tl.constexpr):  # fmt: skip
-    """The outer logits t_r = lse + s_r ``(BQ, BG, BH)``, -inf where (i, h) is no neighbour."""
-    t = lse
+    """The outer logits less log isum, y_r = imax + s_r ``(BQ, BG, BH)`` (t_r = y_r + log isum),
+    -inf where (i, h) is no neighbour."""
+    t = imax
     if HAS_RHO:
         _, s = _spatial(qe, rho_ptr, r, where, counts, D, e, G, SINGLE, BG, BE)
         t += s
@@ -218,31 +237,37 @@ def _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO: tl.constexpr,
 
 
 @triton.jit
-def _mix(s4, pi, lse, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c, D, e,
-         T,
+def _beta(y, isum, lse_all, r, counts, BT: tl.constexpr):
+    """beta_r = exp(t_r - LSE_r) = isum exp(y_r - LSE_r) ``(BQ, BG, BH)``, 0 off the slots."""
+    return tl.where(counts[:, None, :], isum * tl.exp(y - _row3(lse_all, r, BT)[:, :, None]), 0.0)
+
+
+@triton.jit
+def _mix(s4, pi, imax, isum, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c,
+         D, e, T,
          HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr, SINGLE: tl.constexpr,
          DROP: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr,
          BM: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
          BR: tl.constexpr):  # fmt: skip
     """The mixed weights P ``(BQ, BR, BH, BM)`` of a block from its dot products ``s4``, the
-    inner softmax at the group term's row 0 and the outer log-sum-exp ``lse_all`` ``(BQ, BT,
-    BG)``."""
+    inner softmax at the group term's row 0 (:func:`_scores`) and the outer log-sum-exp
+    ``lse_all`` ``(BQ, BT, BG)``."""
     if DROP:
-        pi = tl.where(keep, pi, 0.0)
+        if not GL_V:
+            pi = tl.where(keep, pi, 0.0)
     if SINGLE:
-        t = _outer(lse, qe, rho_ptr, 0, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
-        beta = tl.where(counts[:, None, :], tl.exp(t - _row3(lse_all, 0, BT)[:, :, None]), 0.0)
-        return beta[:, :, :, None] * pi
+        y = _outer(imax, qe, rho_ptr, 0, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
+        return _beta(y, isum, lse_all, 0, counts, BT)[:, :, :, None] * pi
     mixed = tl.full((BQ, BR, BH, BM), 0.0, s4.dtype)
     rr = tl.arange(0, BR)[None, :, None, None]
     for r in range(T):
         if GL_V:
-            gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)
-            pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+            pi, imax, isum = _row_softmax(s4, qt, grho_ptr, r, counts, M, G, c, BG, BM,
+                                          BC)  # fmt: skip
             if DROP:
                 pi = tl.where(keep, pi, 0.0)
-        t = _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
-        beta = tl.where(counts[:, None, :], tl.exp(t - _row3(lse_all, r, BT)[:, :, None]), 0.0)
+        y = _outer(imax, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
+        beta = _beta(y, isum, lse_all, r, counts, BT)
         p = tl.sum(beta[:, :, :, None] * pi, axis=1)  # (BQ, BH, BM)
         mixed = tl.where(rr == r, p[:, None, :, :], mixed)
     return mixed
@@ -251,23 +276,23 @@ def _mix(s4, pi, lse, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G
 @triton.jit
 def _again(
     h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M, G, d,
-    c, s0, s1, threshold, HAS_GL: tl.constexpr, HAS_OFFSETS: tl.constexpr, DROP: tl.constexpr,
-    PRECISION: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr,
-    BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+    c, s0, s1, threshold, HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    DROP: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr,
+    BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """What both backward passes recompute for a halo block (:func:`_scores`): also its
     values, dP = GO Val^T ``(BQ, BR, BH, BM)`` and the keep mask (a stand-in without
     dropout)."""
-    rows, exists, slot, counts, where, keys, s4, pi, lse = _scores(
+    rows, exists, slot, counts, where, keys, s4, pi, imax, isum = _scores(
         h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
-        HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+        GL_V, HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
     )  # fmt: skip
     vals = _values(vz, rows, exists, d, BH, BM, BD)
     dmix = _product(go2, vals, PRECISION, BQ, BR, BH, BM)
     keep = counts[:, None, :, None]
     if DROP:
         keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-    return rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse
+    return rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, imax, isum
 
 
 # The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
@@ -299,18 +324,18 @@ def attention_forward(
     top = tl.full((BQ, BT, BG), float("-inf"), dtype)
     total = tl.full((BQ, BT, BG), 0.0, dtype)
     for h0 in range(0, H, BH):
-        _, _, _, counts, where, _, s4, _, lse = _scores(
+        _, _, _, counts, where, _, s4, pi, imax, isum = _scores(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
-            HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+            GL_V, HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
         )  # fmt: skip
         for r in range(T):
             if GL_V:
-                gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)
-                _, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
-            x = _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
-            new = tl.maximum(_row3(top, r, BT), tl.max(x, axis=2))  # (BQ, BG)
+                pi, imax, isum = _row_softmax(s4, qt, grho_ptr, r, counts, M, G, c, BG, BM,
+                                              BC)  # fmt: skip
+            y = _outer(imax, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
+            new = tl.maximum(_row3(top, r, BT), tl.max(y, axis=2))  # (BQ, BG)
             safe = tl.where(new == float("-inf"), 0.0, new)
-            add = tl.sum(tl.exp(x - safe[:, :, None]), axis=2)
+            add = tl.sum(isum * tl.exp(y - safe[:, :, None]), axis=2)
             grown = _row3(total, r, BT) * tl.exp(_row3(top, r, BT) - safe) + add
             top = tl.where(rr == r, new[:, None, :], top)
             total = tl.where(rr == r, grown[:, None, :], total)
@@ -322,16 +347,16 @@ def attention_forward(
     # 2. out = P Val
     acc = tl.full((BQ * BR, BD), 0.0, dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, _, s4, pi, lse = _scores(
+        rows, exists, slot, counts, where, _, s4, pi, imax, isum = _scores(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, qt, grho_ptr, M, G, d, c, HAS_GL,
-            HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
+            GL_V, HAS_OFFSETS, PRECISION, BQ, BH, BG, BM, BD, BC,
         )  # fmt: skip
         keep = counts[:, None, :, None]  # a stand-in where nothing is dropped
         if DROP:
             keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        mixed = _mix(s4, pi, lse, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M,
-                     c, D, e, T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE, BT,
-                     BR)  # fmt: skip
+        mixed = _mix(s4, pi, imax, isum, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts,
+                     G, M, c, D, e, T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE,
+                     BT, BR)  # fmt: skip
         vals = _values(vz, rows, exists, d, BH, BM, BD)
         acc += tl.dot(tl.reshape(mixed, (BQ * BR, BH * BM)), vals, input_precision=PRECISION,
                       out_dtype=dtype)  # fmt: skip
@@ -393,21 +418,22 @@ def attention_backward(
     # 1. A[i, r, g] = sum_h beta_r dbeta_r
     big_a = tl.full((BQ, BT, BG), 0.0, dtype)
     for h0 in range(0, H, BH):
-        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse = _again(
+        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, imax, isum = _again(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M,
-            G, d, c, s0, s1, threshold, HAS_GL, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM, BD,
-            BC, BR,
+            G, d, c, s0, s1, threshold, HAS_GL, GL_V, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM,
+            BD, BC, BR,
         )  # fmt: skip
         if DROP:
-            pi = tl.where(keep, pi, 0.0)
+            if not GL_V:
+                pi = tl.where(keep, pi, 0.0)
         for r in range(T):
             if GL_V:
-                gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)
-                pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+                pi, imax, isum = _row_softmax(s4, qt, grho_ptr, r, counts, M, G, c, BG, BM,
+                                              BC)  # fmt: skip
                 if DROP:
                     pi = tl.where(keep, pi, 0.0)
-            x = _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
-            beta = tl.where(counts[:, None, :], tl.exp(x - _row3(lse_all, r, BT)[:, :, None]), 0.0)
+            y = _outer(imax, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
+            beta = _beta(y, isum, lse_all, r, counts, BT)
             if SINGLE:  # dP rows are g
                 dbeta = tl.sum(pi * dmix, axis=3)
             else:
@@ -420,26 +446,27 @@ def attention_backward(
     dqe = tl.full((BQ, BG, BE), 0.0, dtype)  # the spatial term's part of dq[:, :, :e]
     dgl = tl.full((BQ, BT, BG, BM), 0.0, dtype)  # sum_h dc_r (row 0 unless GL_V)
     for h0 in range(0, H, BH):
-        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, lse = _again(
+        rows, exists, counts, where, keys, vals, s4, dmix, keep, pi, imax, isum = _again(
             h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, vz, q2, go2, qt, grho_ptr, zl, J, M,
-            G, d, c, s0, s1, threshold, HAS_GL, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM, BD,
-            BC, BR,
+            G, d, c, s0, s1, threshold, HAS_GL, GL_V, HAS_OFFSETS, DROP, PRECISION, BQ, BH, BG, BM,
+            BD, BC, BR,
         )  # fmt: skip
         pik = pi
         if DROP:
-            pik = tl.where(keep, pi, 0.0)
+            if not GL_V:
+                pik = tl.where(keep, pi, 0.0)
         mixed = tl.full((BQ, BR, BH, BM), 0.0, dtype)
         ds = tl.full((BQ, BG, BH, BM), 0.0, dtype)  # GL_V: sum_r dc_r; else sum_r dpi_r
         dlse = tl.full((BQ, BG, BH), 0.0, dtype)
         for r in range(T):
             if GL_V:
-                gl = _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)
-                pi, lse = _inner(s4, gl, counts, M, G, HAS_GL, BG, BM)
+                pi, imax, isum = _row_softmax(s4, qt, grho_ptr, r, counts, M, G, c, BG, BM,
+                                              BC)  # fmt: skip
                 pik = pi
                 if DROP:
                     pik = tl.where(keep, pi, 0.0)
-            x = _outer(lse, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
-            beta = tl.where(counts[:, None, :], tl.exp(x - _row3(lse_all, r, BT)[:, :, None]), 0.0)
+            y = _outer(imax, qe, rho_ptr, r, where, counts, D, e, G, HAS_RHO, SINGLE, BG, BE)
+            beta = _beta(y, isum, lse_all, r, counts, BT)
             if SINGLE:
                 dmix_r = dmix  # (BQ, BG, BH, BM): rows are g
                 mixed = beta[:, :, :, None] * pik

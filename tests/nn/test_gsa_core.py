@@ -163,7 +163,13 @@ def test_group_term_that_sees_v_against_key_logits_far_the_other_way(dtype, back
     """The key logits favour key element 0 and a v-dependent group term element 1, each by
     more than exp's range (100 for float32, 1000 for float64): exp of each part underflows
     where exp of their sum does not. Values and gradients still match the float64 oracle."""
-    inputs = opposed_inputs(dtype)
+    check_opposed(dtype, backend)
+
+
+def check_opposed(dtype, backend: str, device: str = "cpu") -> None:
+    """Values and gradients of ``backend`` on :func:`opposed_inputs` on ``device``, with
+    dropout, match the float64 oracle."""
+    inputs = tuple(t.to(device) if torch.is_tensor(t) else t for t in opposed_inputs(dtype))
     ours = _run(factorised_attention, inputs, "sum", dtype, drop=0.2, backend=backend)
     oracle = _run(_dense(0.2), inputs, "sum")
     # float32: q's gradient sums terms of the logits' size (100) to a result of order 1

@@ -14,7 +14,7 @@ from symattn_cli.nn.gsa import triton as gsa_triton
 from symattn_cli.nn.gsa import triton_tiles
 from symattn_cli.nn.gsa.core import factorised_attention
 
-from .test_gsa_core import CASES, _dense, _inputs, _run, opposed_inputs
+from .test_gsa_core import CASES, _dense, _inputs, _run, check_opposed
 
 pytest.importorskip("triton", reason="Triton ships with PyTorch's CUDA wheels only")
 
@@ -128,13 +128,7 @@ def test_v_dependent_encoding_needs_v_rows(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_group_term_that_sees_v_against_key_logits_far_the_other_way(dtype, device, monkeypatch):
     """Key logits and a v-dependent group term favouring different key elements by more than
-    exp's range (:func:`opposed_inputs`): each row's inner softmax subtracts the maximum of
-    their sum, and values and gradients match the float64 oracle, with dropout."""
+    exp's range (``test_gsa_core.opposed_inputs``): each row's inner softmax subtracts the
+    maximum of their sum, and values and gradients match the float64 oracle, with dropout."""
     _kernel_only(monkeypatch)
-    inputs = _on(device, opposed_inputs(dtype))
-    ours = _run(factorised_attention, inputs, "sum", dtype, drop=0.2, backend="triton_tiles")
-    oracle = _run(_dense(0.2), inputs, "sum")
-    tol = 1e-3 if dtype == torch.float32 else 1e-10  # float32: terms of the logits' size (100)
-    for a, b in zip(ours, oracle, strict=True):
-        assert torch.isfinite(a).all()
-        assert (a.double() - b).abs().max() <= tol * b.abs().max()
+    check_opposed(dtype, "triton_tiles", device)

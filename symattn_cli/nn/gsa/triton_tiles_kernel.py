@@ -245,10 +245,9 @@ def _beta(y, isum, lse_all, r, counts, BT: tl.constexpr):
 @triton.jit
 def _mix(s4, pi, imax, isum, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts, G, M, c,
          D, e, T,
-         HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr, SINGLE: tl.constexpr,
-         DROP: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr,
-         BM: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-         BR: tl.constexpr):  # fmt: skip
+         GL_V: tl.constexpr, HAS_RHO: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
+         BQ: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+         BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr):  # fmt: skip
     """The mixed weights P ``(BQ, BR, BH, BM)`` of a block from its dot products ``s4``, the
     inner softmax at the group term's row 0 (:func:`_scores`) and the outer log-sum-exp
     ``lse_all`` ``(BQ, BT, BG)``."""
@@ -355,8 +354,8 @@ def attention_forward(
         if DROP:
             keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
         mixed = _mix(s4, pi, imax, isum, qt, grho_ptr, rho_ptr, qe, lse_all, keep, where, counts,
-                     G, M, c, D, e, T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE,
-                     BT, BR)  # fmt: skip
+                     G, M, c, D, e, T, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE, BT,
+                     BR)  # fmt: skip
         vals = _values(vz, rows, exists, d, BH, BM, BD)
         acc += tl.dot(tl.reshape(mixed, (BQ * BR, BH * BM)), vals, input_precision=PRECISION,
                       out_dtype=dtype)  # fmt: skip

@@ -24,8 +24,9 @@
 // A group term that depends on the output element, gl[v,m,g] (sum form), makes pi depend on
 // v; the probabilities are then mixed over g before the values, so that the value work does
 // not grow V-fold. c0 = q[g] . k[j,m] and E0 = exp(c0 - mx) are computed once per tile, and
-// per v (group_row) exp(c_v - mx) = E0 exp(gl[v] - max_m gl[v]): a product, not an exp:
-//   ev[j,m,g] = E0 exp(gl[v,m,g] - max_m gl[v,:,g]),  sm_v = sum_m ev,  pi_v = ev / sm_v
+// per v (group_row) exp(c_v - mx) = E0 F_v, F_v = exp(gl[v] - max_m gl[v]) (M, G): a
+// product, not an exp, and never stored (each sum below multiplies its factors):
+//   ev[j,m,g] = E0[j,m,g] F_v[m,g],  sm_v = sum_m ev,  pi_v = ev / sm_v
 //   beta_v    = softmax_j (s[v,j,g] + mx + log sm_v)  (max_m gl[v] is the same for every j)
 //   P_v[j,m]  = sum_g beta_v pi_v keep,               out[v] = sum_(j,m) P_v[j,m] v[j,m]
 // Backward, with dP_v[j,m] = go[v] . v[j,m]:
@@ -184,10 +185,11 @@ struct Tile {
   // (R, c): the group embedding, broadcast; tq (G, R): q[g, d-c:] . emb[r]
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local, *emb_lanes, *tq;
   // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx), e0k (J, M, G) its kept part;
-  // for the current v: ev, evk (J, M, G): exp(c0 - mx + gl - max_m gl), its kept part; egl
-  // (M, G); mxv (J, G): the fallback's maxima; beta, a (J, G): beta and beta / sm; acc (G);
+  // for the current v: egl (M, G): exp(gl - max_m gl); the fallback's ev, evk (J, M, G):
+  // exp(c0 + gl - max_m), its kept part, and mxv (J, G): its maxima; beta, a (J, G): beta and beta / sm; acc (G);
   // u (K, J, G): outer logits less lse; pv (V, J, M): P
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
+  const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
   // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
   // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
@@ -506,11 +508,13 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
   }
 }
 
-// by_v, output element v: ev (evk), sm, beta and a = beta / sm (J, G), and P[v] (J, M).
-// ev = exp(c0 - mx) exp(gl[v] - max_m gl[v]): one product per entry instead of an exp; the
-// shift max_m gl[v] does not depend on j, so it cancels in the softmax over j. Where a product
-// could have lost its largest term to underflow (sm below M exp(low / 2) on some lane), this v
-// takes exp(c - max_m c) itself.
+// by_v, output element v: sm, beta and a = beta / sm (J, G), and P[v] (J, M), with the
+// factors of exp(c_v - mx) = E[j, m, g] F[m, g] left in tl.e, tl.ek (E keep) and tl.egl (F).
+// Usually E = E0 = exp(c0 - mx) and F = exp(gl[v] - max_m gl[v]), shared by every v: the
+// entries of the product are never stored; the shift max_m gl[v] does not depend on j, so it
+// cancels in the softmax over j. Where a product could have lost its largest term to
+// underflow (sm below M exp(low / 2) on some lane), this v takes E = exp(c - max_m c) itself
+// (into tl.ev, tl.evk) and F = 1.
 template <typename S>
 void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
   using V = typename Tile<S>::V;
@@ -518,21 +522,20 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
   const int64_t G = p.G, M = p.M, J = p.J, MG = M * G;
   const S inf = std::numeric_limits<S>::infinity();
   const V* glv = tl.gl + v * MG;
+  V* f = tl.egl;
   for (int64_t g = 0; g < G; ++g) {
     V top = glv[g];
     for (int64_t m = 1; m < M; ++m) top = glv[m * G + g] > top ? glv[m * G + g] : top;
-    for (int64_t m = 0; m < M; ++m) tl.egl[m * G + g] = exp_shifted<S>(glv[m * G + g] - top);
+    for (int64_t m = 0; m < M; ++m) f[m * G + g] = exp_shifted<S>(glv[m * G + g] - top);
   }
+  tl.e = tl.pi, tl.ek = p.threshold ? tl.e0k : tl.pi;
+  // sm[j, g] = sum_m E F
   V least = V{} + inf;
   for (int64_t j = 0; j < J; ++j) {
-    const V *e0 = tl.pi + j * MG, *e0k = tl.e0k + j * MG;
-    V *evj = tl.ev + j * MG, *evkj = tl.evk + j * MG;
-    for (int64_t mg = 0; mg < MG; ++mg) evj[mg] = e0[mg] * tl.egl[mg];
-    if (p.threshold)
-      for (int64_t mg = 0; mg < MG; ++mg) evkj[mg] = e0k[mg] * tl.egl[mg];
+    const V* ej = tl.e + j * MG;
     for (int64_t g = 0; g < G; ++g) {
-      V sum = evj[g];
-      for (int64_t m = 1; m < M; ++m) sum += evj[m * G + g];
+      V sum = ej[g] * f[g];
+      for (int64_t m = 1; m < M; ++m) sum += ej[m * G + g] * f[m * G + g];
       tl.sm[j * G + g] = sum;
       least = sum < least ? sum : least;
     }
@@ -557,20 +560,24 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
       }
     }
     shift = tl.mxv;
-    if (p.threshold)
+    std::fill(f, f + MG, V{} + 1);
+    tl.e = tl.ek = tl.ev;
+    if (p.threshold) {
       for (int64_t a = 0; a < J * MG; ++a) tl.evk[a] = tl.ev[a] * tl.keep[a];
+      tl.ek = tl.evk;
+    }
   }
   // beta = softmax_j(s[v] + shift + log sm)
   const V* uv = tl.u + (p.K > 1 ? v : 0) * J * G;
   for (int64_t jg = 0; jg < J * G; ++jg) tl.beta[jg] = uv[jg] + shift[jg];
   outer_softmax<S>(J, G, tl.beta, tl.sm, tl.a);
-  const V* evk = p.threshold ? tl.evk : tl.ev;
-  // P[v, j, m] = sum_g beta pi keep = sum_g a evk
+  // P[v, j, m] = sum_g beta pi keep = sum_g a E keep F
   V* pv = tl.pv + v * J * M;
   for (int64_t j = 0; j < J; ++j)
     for (int64_t m = 0; m < M; ++m) {
+      const V *ek = tl.ek + (j * M + m) * G, *fm = f + m * G, *aj = tl.a + j * G;
       V sum{};
-      for (int64_t g = 0; g < G; ++g) sum += tl.a[j * G + g] * evk[(j * M + m) * G + g];
+      for (int64_t g = 0; g < G; ++g) sum += aj[g] * ek[g] * fm[g];
       pv[j * M + m] = sum;
     }
 }
@@ -635,15 +642,17 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     std::fill(tl.dc, tl.dc + J * MG, V{});
     for (int64_t v = 0; v < p.V; ++v) {
       group_row(p, tl, v);
-      const V* evk = p.threshold ? tl.evk : tl.ev;
-      const V* dp = tl.dpv + v * JM;
+      const V *f = tl.egl, *dp = tl.dpv + v * JM;
       V* dtv = tl.dt + v * J * G;
-      // dbeta[j, g] = sum_m pi keep dP = (1 / sm) sum_m evk dP, into dt
-      std::fill(dtv, dtv + J * G, V{});
-      for (int64_t j = 0; j < J; ++j)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t g = 0; g < G; ++g)
-            dtv[j * G + g] += dp[j * M + m] * evk[(j * M + m) * G + g];
+      // dbeta[j, g] = sum_m pi keep dP = (1 / sm) sum_m E keep F dP, into dt
+      for (int64_t j = 0; j < J; ++j) {
+        const V* ekj = tl.ek + j * MG;
+        for (int64_t g = 0; g < G; ++g) {
+          V sum{};
+          for (int64_t m = 0; m < M; ++m) sum += dp[j * M + m] * ekj[m * G + g] * f[m * G + g];
+          dtv[j * G + g] = sum;
+        }
+      }
       // acc[g] = sum_j beta dbeta;  dt = beta (dbeta - acc)
       for (int64_t g = 0; g < G; ++g) {
         V sum{};
@@ -652,7 +661,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
         for (int64_t j = 0; j < J; ++j)
           dtv[j * G + g] = tl.a[j * G + g] * dtv[j * G + g] - tl.beta[j * G + g] * sum;
       }
-      // dc = pi (dpi - sum_m pi dpi + dt) = beta pi (keep dP - acc) = a (evk dP - ev acc);
+      // dc = pi (dpi - sum_m pi dpi + dt) = beta pi (keep dP - acc) = a F (E keep dP - E acc);
       // dgl[v] = sum_j dc;  DC = sum_v dc
       V* dglv = tl.dgl + v * MG;
       std::fill(dglv, dglv + MG, V{});
@@ -660,8 +669,9 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
         for (int64_t m = 0; m < M; ++m) {
           const V x = dp[j * M + m];
           const int64_t at = (j * M + m) * G;
+          const V *ek = tl.ek + at, *en = tl.e + at, *fm = f + m * G, *aj = tl.a + j * G;
           for (int64_t g = 0; g < G; ++g) {
-            const V y = tl.a[j * G + g] * (evk[at + g] * x - tl.ev[at + g] * tl.acc[g]);
+            const V y = aj[g] * fm[g] * (ek[g] * x - en[g] * tl.acc[g]);
             tl.dc[at + g] += y;
             dglv[m * G + g] += y;
           }

@@ -1,7 +1,8 @@
 """Time, peak memory and FLOPs of one benchmark case, in this process or in a fresh one.
 
-A *case* is one layer or one model at one size (:class:`Case`). A *measurement* runs, for each
-mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
+A *case* is one layer or one model (ours, or the authors' GSA-Net) at one size
+(:class:`Case`). A *measurement* runs, for each mode, ``warmup`` untimed steps then
+``repeats`` timed ones, and reports:
 
 * time: median, inter-quartile range and minimum of the timed steps (seconds, wall clock;
   ``torch.cuda.synchronize`` around each step on CUDA), and the median CPU time of the process
@@ -18,7 +19,8 @@ mode, ``warmup`` untimed steps then ``repeats`` timed ones, and reports:
   switched off (``checkpointing=False``), so a recomputed forward is not counted twice.
   Element-wise work (exp, softmax, norms) is not counted. Achieved FLOP/s is that count over
   the median time, and its fraction of the matrix-multiply throughput measured by
-  :func:`matmul_gflops` in the same process just before the case.
+  :func:`matmul_gflops` in the same process just before the case. The authors' net is timed and
+  measured but not counted.
 
 Modes: ``forward`` is inference (``eval()``, ``torch.no_grad()``); ``train`` is a training step
 (``train()``, forward + backward of a scalar loss, gradients dropped after each step).
@@ -58,7 +60,8 @@ MB = 1e6
 
 @dataclass
 class Case:
-    """One thing to measure: a layer (``kind="layer"``) or a registered model (``"model"``).
+    """One thing to measure: a layer (``kind="layer"``), a registered model (``"model"``) or
+    the authors' GSA-Net (``"authors"``).
 
     Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
     ``query_form`` sum | single, ``patch_size`` P or None for global, ``group_index`` the group
@@ -67,7 +70,9 @@ class Case:
     a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
     ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
     GSA layers and nets run their attention core on ``attention_backend`` (``auto``: the
-    device's default; see :data:`symattn_cli.nn.gsa.core.BACKENDS`).
+    device's default; see :data:`symattn_cli.nn.gsa.core.BACKENDS`). The authors' net:
+    ``name`` is the model it stands beside (``r8_sa``), ``group`` its group, ``overrides``
+    ``{"code": <path of a checkout of github.com/dwromero/g_selfatt>}``.
     """
 
     kind: str = "layer"
@@ -89,6 +94,8 @@ class Case:
     @property
     def form(self) -> str:
         """``lifting``, ``sum`` or ``single`` for group layers; ``-`` otherwise."""
+        if self.kind == "authors":
+            return "sum"  # GSA-Nets Eq. 16, the form our ``sum`` form is named after
         if self.kind == "model":
             return self.query_form if self.name.endswith("_sa") else "-"
         if self.lifting:
@@ -99,7 +106,9 @@ class Case:
 
     @property
     def attends(self) -> bool:
-        """Whether the case has GSA attention (a GSA layer or net)."""
+        """Whether the case has our GSA attention (a GSA layer or net)."""
+        if self.kind == "authors":
+            return False
         return self.name == "gsa" if self.kind == "layer" else self.name.endswith("_sa")
 
     @property
@@ -107,6 +116,8 @@ class Case:
         size = f"{self.image_size}px b{self.batch}"
         patch = "global" if self.patch_size is None else f"P{self.patch_size}"
         backend = f" {self.attention_backend}" if self.attention_backend != "auto" else ""
+        if self.kind == "authors":
+            return f"authors {self.name} {patch} {size}"
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
             if self.attends:  # GSA-Nets: their form, neighbourhood and group index matter
@@ -141,13 +152,19 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
 
     from symattn_cli.groups import get_group
 
-    if case.kind == "model":
-        from symattn_cli.data.base import DataSpec
-        from symattn_cli.models.registry import create_model
+    if case.kind in ("model", "authors"):
+        if case.kind == "authors":
+            module = authors_net(
+                case.overrides["code"], group=get_group(case.group),
+                image_size=case.image_size, patch_size=case.patch_size,
+            )  # fmt: skip
+        else:
+            from symattn_cli.data.base import DataSpec
+            from symattn_cli.models.registry import create_model
 
-        spec = DataSpec(task="classify", num_classes=10, in_channels=1,
-                        image_size=case.image_size, arch="rotmnist")  # fmt: skip
-        module = create_model(case.name, spec=spec, **case.overrides)
+            spec = DataSpec(task="classify", num_classes=10, in_channels=1,
+                            image_size=case.image_size, arch="rotmnist")  # fmt: skip
+            module = create_model(case.name, spec=spec, **case.overrides)
         x = torch.randn(case.batch, 1, case.image_size, case.image_size)
         y = torch.randint(0, 10, (case.batch,), device=device)
 
@@ -184,6 +201,32 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
         return out.square().mean()
 
     return module.to(device), x, loss
+
+
+def authors_net(code: str, *, group: Any, image_size: int, patch_size: int) -> Any:
+    """The authors' rotMNIST GSA-Net (their ``model.py``, dataset ``rotMNIST``, default
+    options) on ``group``, imported from their checkout ``code``: ``SE2`` for rotations,
+    ``E2`` with the flip, each with all ``group.order`` elements."""
+    import warnings
+
+    if code not in sys.path:
+        sys.path.insert(0, code)
+    try:
+        with warnings.catch_warnings():  # their torch.cuda.amp.autocast: deprecated, off on CPU
+            warnings.filterwarnings("ignore", message=".*autocast")
+            import g_selfatt.groups as groups
+            import models
+        their_group = (groups.E2 if group.reflection else groups.SE2)(num_elements=group.order)
+        return models.GroupTransformer(
+            group=their_group, in_channels=1, num_channels=20, block_sizes=[2, 3],
+            expansion_per_block=1, crop_per_layer=[2, 0, 2, 1, 1], image_size=image_size,
+            num_classes=10, dropout_rate_after_maxpooling=0.0, maxpool_after_last_block=False,
+            normalize_between_layers=False, patch_size=patch_size, num_heads=9,
+            norm_type="LayerNorm", activation_function="Swish", attention_dropout_rate=0.1,
+            value_dropout_rate=0.1, whitening_scale=1.0,
+        )  # fmt: skip
+    except Exception as err:  # their code failing is a failed row, also in process
+        raise RuntimeError(f"the authors' code in {code}: {type(err).__name__}: {err}") from err
 
 
 def parameter_count(module: Any) -> int:
@@ -434,7 +477,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     if not memory.resettable:  # only the first mode's peak is its own
         for mode in settings.modes[1:]:
             row[f"{mode}_mem_mb"] = float("nan")
-    if settings.count_flops:
+    if settings.count_flops and case.kind != "authors":  # theirs: time and memory only
         for mode in settings.modes:
             try:  # without recomputation a big case may not fit: keep its timings anyway
                 flops = count_flops(_step_fn(module, x, loss_fn, mode), module)

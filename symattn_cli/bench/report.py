@@ -61,20 +61,21 @@ def reference_table(rows: Sequence[dict[str, Any]]):
         title="ours vs the reference implementation (rotMNIST net, batch 2, fp32, fwd+bwd)"
     )
     for name in ("model", "ours s", "ref s", "time ratio", "ours GB", "ref GB", "memory ratio",
-                 "≥10× both"):  # fmt: skip
-        table.add_column(name, justify="left" if name == "model" else "right")
+                 "≥10× both", "ref figures"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("model", "ref figures") else "right")
     for row in rows:
         if "time_ratio" not in row:
             continue
         table.add_row(
             row["label"],
             number(row["train_time_s"], ".3f"),
-            number(row["ref_time_s"], ".1f"),
+            number(row["ref_time_s"], ".2f"),
             f"{row['time_ratio']:.1f}×",
             number(row["train_mem_mb"] / 1e3, ".4f"),
-            number(row["ref_mem_gb"], ".2f"),
+            number(row["ref_mem_gb"], ".3f"),
             f"{row['mem_ratio']:.1f}×",
             "yes" if row["meets_target"] else "[red]no[/red]",
+            row["ref_source"],  # measured in this run, or published
         )
     return table
 

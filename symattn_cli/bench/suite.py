@@ -4,8 +4,9 @@ A preset is a small factory: it returns the cases to measure and its default set
 (repeats, warm-up, threads, isolation). Axes the user sets (``groups``, ``batch_sizes`` ...)
 then filter or replace the preset's values in :func:`select_cases`.
 
-Columns describing a case (one row per case): ``label``, ``kind`` (layer | model), ``name``
-(layer kind gsa | conv | gconv, or model name), ``family`` (gsa | conv | gconv | cnn | gcnn),
+Columns describing a case (one row per case): ``label``, ``kind`` (layer | model | authors:
+the authors' GSA-Net), ``name`` (layer kind gsa | conv | gconv, or model name: for the
+authors' net, the model of ours it stands beside), ``family`` (gsa | conv | gconv | cnn | gcnn),
 ``group``, ``group_order`` N, ``form`` (lifting | sum | single | group | -), ``patch_size``
 P (attention neighbourhood or kernel side; :data:`GLOBAL_P` = 0 for global attention, as the
 column is numeric), ``image_size``, ``batch``,
@@ -25,8 +26,11 @@ from symattn_cli.errors import ConfigError
 
 # The GSA-Net issue's figures for the reference implementation: rotMNIST model (5x5, 20
 # channels, 9 heads), fp32, forward + backward, 2-core CPU. group -> (seconds, GB peak RSS).
+# The fallback: the authors' net measured in the same run (``reference_code``) is preferred,
+# as seconds on one host move between days.
 REFERENCE_BATCH = 2
 REFERENCE = {"z2": (0.4, 0.16), "z4": (3.4, 0.84), "r8": (14.0, 4.31)}
+AUTHORS_REPO = "https://github.com/dwromero/g_selfatt"
 TARGET_RATIO = 10.0  # ours must be at least this many times cheaper in time and memory
 
 ROTMNIST_SIDES = (24, 12, 8, 6)  # map sides the rotMNIST GSA-Net's attention layers see
@@ -208,7 +212,10 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     from symattn_cli.groups import get_group
 
     label = case.label
-    if case.kind == "model":
+    if case.kind == "authors":  # their rotMNIST GSA-Net: 20 channels, 9 heads
+        info = dict(family="gsa", form=case.form, patch_size=case.patch_size, channels=20,
+                    heads=9)  # fmt: skip
+    elif case.kind == "model":
         from symattn_cli.models.gsa_net import GLOBAL
         from symattn_cli.models.registry import model_config
 
@@ -356,30 +363,88 @@ def _ratios(rows, pick, name: str | None, free: tuple[str, ...]) -> dict[str, fl
     return out
 
 
-def reference_comparison(info: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
-    """Ratios reference / ours for the cases the GSA-Net issue measured (train mode)."""
-    figures = REFERENCE.get(info["group"])
-    if (
-        figures is None
-        or info["kind"] != "model"
-        or info["family"] != "gsa"
-        or info["batch"] != REFERENCE_BATCH
-        or info["patch_size"] != 5
-        or info["form"] != "sum"
-        or info["image_size"] != 28
-        or "train_time_s" not in row
-    ):
+def compared(info: dict[str, Any]) -> bool:
+    """Whether a case is one the reference is compared on: a rotMNIST GSA-Net (ours) at the
+    issue's sizes (batch 2, 28x28, P=5, ``sum`` form)."""
+    return (
+        info["kind"] == "model"
+        and info["family"] == "gsa"
+        and info["batch"] == REFERENCE_BATCH
+        and info["patch_size"] == 5
+        and info["form"] == "sum"
+        and info["image_size"] == 28
+    )
+
+
+def reference_comparison(
+    info: dict[str, Any], row: dict[str, Any], measured: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Ratios reference / ours (train mode) for a :func:`compared` case: over ``measured``,
+    the row of the authors' net measured in the same run, where given (``ref_source``
+    ``measured``), else over the issue's figures (``published``; z2, z4 and r8 only)."""
+    if not compared(info) or "train_time_s" not in row:
         return {}
-    ref_time, ref_gb = figures
+    if measured is not None:
+        ref_time, ref_gb = measured["train_time_s"], measured["train_mem_mb"] / 1e3
+        source = "measured"
+    elif info["group"] in REFERENCE:
+        (ref_time, ref_gb), source = REFERENCE[info["group"]], "published"
+    else:
+        return {}
     time_ratio = ref_time / row["train_time_s"]
     mem_ratio = ref_gb / max(row["train_mem_mb"] / 1e3, 1e-9)
     return {
         "ref_time_s": ref_time,
         "ref_mem_gb": ref_gb,
+        "ref_source": source,
         "time_ratio": time_ratio,
         "mem_ratio": mem_ratio,
         "meets_target": float(time_ratio >= TARGET_RATIO and mem_ratio >= TARGET_RATIO),
     }
+
+
+def check_reference_code(path: str) -> str:
+    """The absolute path of ``path``, a checkout of the authors' code that can run here;
+    :class:`ConfigError` naming the fix otherwise."""
+    import importlib.util
+    from pathlib import Path
+
+    code = Path(path).expanduser().resolve()
+    clone = f"clone it with `git clone {AUTHORS_REPO}` and give the clone's path"
+    if not code.is_dir():
+        raise ConfigError(f"reference_code={path!r}: no such folder; {clone}")
+    if not ((code / "g_selfatt").is_dir() and (code / "models").is_dir()):
+        raise ConfigError(
+            f"reference_code={path!r} is not a checkout of the authors' code (no g_selfatt/ and "
+            f"models/ folders); {clone}"
+        )
+    if importlib.util.find_spec("einops") is None:
+        raise ConfigError(f"reference_code={path!r}: the authors' code needs einops: "
+                          "pip install einops")  # fmt: skip
+    return str(code)
+
+
+def with_authors(
+    resolved: Sequence[tuple[Case, dict[str, Any]]], code: str
+) -> list[tuple[Case, dict[str, Any]]]:
+    """``resolved`` (cases and their columns) with the authors' net, from their checkout
+    ``code``, right after the first :func:`compared` net of each group: measured next to
+    ours, under the same load."""
+    out, groups = [], set()
+    for case, info in resolved:
+        out.append((case, info))
+        if compared(info) and info["group"] not in groups:
+            groups.add(info["group"])
+            authors = Case(kind="authors", name=case.name, group=case.group,
+                           patch_size=case.patch_size, image_size=case.image_size,
+                           batch=case.batch, overrides={"code": code})  # fmt: skip
+            out.append(resolve(authors))
+    if not groups:
+        raise ConfigError(
+            "reference_code is set, but no case is a rotMNIST GSA-Net at batch 2, 28x28, P=5, "
+            "sum form to compare with the authors' one; use preset=reference"
+        )
+    return out
 
 
 # ---------------------------------------------------------------- growth exponents

@@ -1,7 +1,9 @@
 """``symattn benchmark``: time, peak memory and FLOPs of layers and models.
 
 ``preset=reference`` reproduces the GSA-Net issue's measurement (rotMNIST z2/r4/r8 nets,
-batch 2, fp32, forward + backward) and prints the ratios to the reference implementation;
+batch 2, fp32, forward + backward) and prints the ratios to the reference implementation:
+the authors' nets measured beside ours from a checkout of their code (``reference_code``),
+else their published figures;
 ``preset=default`` sweeps group order, neighbourhood, image and batch size, both group-layer
 forms and the convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
 training-step throughput (images per second) and memory at batches 8, 32 and 128 beside the
@@ -102,13 +104,17 @@ def run_cases(cases, infos, settings, *, fresh: bool, timeout: float) -> list[di
             else:
                 result = measure_case(case, settings)
             row.update(result, status="ok", error="")
-            row.update(reference_comparison(info, row))
         except TimeoutError as err:
             row.update(status="timeout", error=str(err))
         except (RuntimeError, ValueError, MemoryError) as err:
             row.update(status="failed", error=str(err).splitlines()[-1] if str(err) else "")
         rows.append(row)
         print(f"[{index}/{len(cases)}] {_line(row, settings.modes)}", flush=True)
+    authors = {row["group"]: row for row in rows
+               if row["kind"] == "authors" and row["status"] == "ok"}  # fmt: skip
+    for info, row in zip(infos, rows, strict=True):
+        if row["status"] == "ok":
+            row.update(reference_comparison(info, row, authors.get(info["group"])))
     return rows
 
 
@@ -129,12 +135,14 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         # Read once, when OpenMP starts (first torch import): set it before that.
         os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
     from symattn_cli.bench.suite import (
+        check_reference_code,
         get_preset,
         growth_exponents,
         index_comparison,
         naive_comparison,
         resolve,
         select_cases,
+        with_authors,
     )
 
     preset = get_preset(cfg.preset)  # a wrong name fails before anything heavy loads
@@ -163,6 +171,9 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     if not cases:
         raise ConfigError(f"preset={cfg.preset} has no case left after the filters; relax them")
     resolved = [resolve(case) for case in cases]  # bad names fail here, before any timing
+    code = check_reference_code(cfg.reference_code) if cfg.reference_code else ""
+    if code:
+        resolved = with_authors(resolved, code)
     cases, infos = [c for c, _ in resolved], [i for _, i in resolved]
 
     directory = run_dir()
@@ -185,6 +196,9 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backends}",
         flush=True,
     )
+    if code:
+        print(f"reference: the authors' nets, measured beside ours from their code in {code}",
+              flush=True)  # fmt: skip
     if auto != "cpp" and settings.device == "cpu":
         print(
             "note: the GSA attention runs its plain PyTorch backend (SYMATTN_CPP=0, or the "

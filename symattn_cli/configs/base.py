@@ -87,6 +87,9 @@ class BenchmarkConfig:
     count_flops: bool = True
     arch: int = 90  # preset=gpu-static: the compute capability compiled for (90: H100, 80: A100)
     omp_wait_policy: str = ""  # OpenMP idle threads: "" (the library's default) | passive | active
+    # a checkout of github.com/dwromero/g_selfatt: its rotMNIST nets measured beside ours
+    # ("": the ratios use the published figures)
+    reference_code: str = ""
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -176,7 +176,7 @@ def test_reference_comparison_ratios():
     out = reference_comparison(info, row)
     assert out["time_ratio"] == pytest.approx(20.0)
     assert out["mem_ratio"] == pytest.approx(20.0)
-    assert out["meets_target"] == 1.0
+    assert out["meets_target"] == 1.0 and out["ref_source"] == "published"
     slow = reference_comparison(info, {"train_time_s": 7.0, "train_mem_mb": 100.0})
     assert slow["meets_target"] == 0.0
     _, layer = resolve(TINY)

@@ -141,6 +141,7 @@ class Settings:
     count_flops: bool = True
     seed: int = 0
     omp_wait_policy: str = ""  # for fresh processes: "" (library default) | passive | active
+    kernel_baseline: str = ""  # a C++ kernel source to time ours against, step by step
 
 
 # ---------------------------------------------------------------- building a case
@@ -474,6 +475,8 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         for key, value in summarize_times(times, cpu).items():
             row[f"{mode}_{key}"] = value
         row[f"{mode}_items_per_s"] = case.batch / row[f"{mode}_time_s"]  # images or sequences
+    if settings.kernel_baseline and "cpp" in row["attention_backend"]:
+        row.update(against_baseline(module, x, loss_fn, settings, sync))
     if not memory.resettable:  # only the first mode's peak is its own
         for mode in settings.modes[1:]:
             row[f"{mode}_mem_mb"] = float("nan")
@@ -489,6 +492,33 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
             row[f"{mode}_gflops"] = rate
             row[f"{mode}_flop_fraction"] = rate / gemm
     return row
+
+
+def against_baseline(module, x, loss_fn, settings: Settings, sync) -> dict[str, float]:
+    """Each mode's step on the C++ kernel built from ``settings.kernel_baseline`` and on the
+    shipped one, in this process, alternated step by step (``repeats`` rounds, each timing one
+    step of each, in turn first) after ``warmup`` steps of each: ``<mode>_baseline_time_s``,
+    the baseline's median, and ``<mode>_time_vs_baseline``, ours over it."""
+    from pathlib import Path
+
+    from symattn_cli.nn.gsa import cpp
+
+    kernels = {"ours": cpp.load(), "baseline": cpp.load_source(Path(settings.kernel_baseline))}
+    out: dict[str, float] = {}
+    for mode in settings.modes:
+        step = _step_fn(module, x, loss_fn, mode)
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for kernel in kernels.values():
+            with cpp.using(kernel):
+                time_steps(step, warmup=settings.warmup, repeats=0, sync=sync)
+        for round_ in range(settings.repeats):
+            for name in list(kernels)[:: 1 if round_ % 2 == 0 else -1]:
+                with cpp.using(kernels[name]):
+                    times[name] += time_steps(step, warmup=0, repeats=1, sync=sync)[0]
+        base = statistics.median(times["baseline"])
+        out[f"{mode}_baseline_time_s"] = base
+        out[f"{mode}_time_vs_baseline"] = statistics.median(times["ours"]) / base
+    return out
 
 
 def measure_fresh(case: Case, settings: Settings, *, timeout: float | None = None) -> dict:

@@ -134,6 +134,8 @@ def default_cases() -> list[Case]:
     cases += [gsa_model(g) for g in ("z2", "r4", "r8")]  # whole networks, batch 2
     cases += [gsa_model("r8", form="single"), gsa_model("z2", batch=8)]
     cases += [model("cnn"), model("gcnn")]
+    # the default run's net (R4, 3x3, batch 16): its training step is what a first run waits for
+    cases.append(replace(model("gsa_mini", batch=16), group="r4", patch_size=3))
     return list({case.key(): case for case in cases}.values())  # each case once
 
 

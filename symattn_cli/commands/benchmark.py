@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from symattn_cli.commands.common import (
@@ -70,6 +71,34 @@ def _settings(cfg: Any, preset: Any):
             " need repeats >= 1, warmup >= 0, threads >= 0"
         )
     return settings
+
+
+def _kernel_source(value: str, device: str, directory) -> str:
+    """The C++ kernel source that ``kernel_baseline=`` names: a file, or the kernel's source at a
+    git revision of this checkout, written into the run directory."""
+    import subprocess
+    from pathlib import Path
+
+    from symattn_cli.nn.gsa.cpp import SOURCE
+
+    if device != "cpu":
+        raise ConfigError(f"kernel_baseline={value!r} times the C++ kernel: use device=cpu")
+    if Path(value).is_file():
+        return str(Path(value).resolve())
+    command = ["git", "-C", str(SOURCE.parent), "show", f"{value}:./{SOURCE.name}"]
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=60)
+        error = done.stderr.decode(errors="replace").strip() if done.returncode else ""
+    except OSError as err:  # no git
+        error = str(err) or "git failed"
+    if error:
+        raise ConfigError(
+            f"kernel_baseline={value!r} is neither a file nor a git revision of this checkout "
+            f"({error.splitlines()[-1]}); give a cpp_kernel.cpp path or a commit such as HEAD~1"
+        )
+    path = Path(directory) / f"baseline_{SOURCE.name}"
+    path.write_bytes(done.stdout)
+    return str(path)
 
 
 def _device(name: str) -> str:
@@ -124,6 +153,11 @@ def _line(row: dict[str, Any], modes) -> str:
     parts = [
         f"{'fwd+bwd' if m == 'train' else 'fwd'} {row[f'{m}_time_s']:.4f} s "
         f"(cpu {row[f'{m}_cpu_s']:.4f} s) {row[f'{m}_mem_mb']:.1f} MB"
+        + (
+            f", {row[f'{m}_time_vs_baseline']:.3f}x the baseline kernel's time"
+            if f"{m}_time_vs_baseline" in row
+            else ""
+        )  # fmt: skip
         for m in modes
     ]
     return f"{row['label']}: " + ", ".join(parts)
@@ -177,6 +211,11 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     cases, infos = [c for c, _ in resolved], [i for _, i in resolved]
 
     directory = run_dir()
+    if cfg.kernel_baseline:
+        settings = replace(
+            settings,
+            kernel_baseline=_kernel_source(cfg.kernel_baseline, settings.device, directory),
+        )
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     gemm = matmul_gflops(device=settings.device)

@@ -90,6 +90,9 @@ class BenchmarkConfig:
     # a checkout of github.com/dwromero/g_selfatt: its rotMNIST nets measured beside ours
     # ("": the ratios use the published figures)
     reference_code: str = ""
+    # the C++ kernel to time ours against, alternated in one process: a git revision of this
+    # checkout (HEAD~1) or a cpp_kernel.cpp path ("": off)
+    kernel_baseline: str = ""
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -46,14 +46,14 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def build_directory() -> Path:
+def build_directory(source: Path = SOURCE) -> Path:
     """Where the extension is built: one folder per torch and Python version (a build is
     only valid for the torch it was compiled against), per CPU (it is compiled for the host's
     instruction set) and per location of the source file (torch's builder rebuilds when the
     source's path changes, so two checkouts sharing one folder would rebuild it in turn)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    where = hashlib.sha1(f"{SOURCE.resolve()}|{_cpu_flags()}".encode()).hexdigest()[:8]
+    where = hashlib.sha1(f"{source.resolve()}|{_cpu_flags()}".encode()).hexdigest()[:8]
     return Path(root) / f"symattn-{python}-torch{torch.__version__}-{where}" / NAME
 
 
@@ -79,6 +79,40 @@ def load() -> ModuleType | None:
         if "module" not in _STATE:
             _STATE["module"] = _build()
         return _STATE["module"]
+
+
+def load_source(source: Path) -> ModuleType:
+    """Another version of the kernel (a ``cpp_kernel.cpp`` of another revision, for side-by-side
+    timings), built under a name of its own; the shipped one when ``source`` has its bytes.
+    Raises ``RuntimeError`` when it cannot be built."""
+    text = Path(source).read_bytes()
+    if text == SOURCE.read_bytes() and load() is not None:
+        return load()
+    digest = hashlib.sha1(text).hexdigest()[:8]
+    # a fixed place per version, so that a second run reuses the build
+    stable = build_directory().parent / f"baseline-{digest}" / SOURCE.name
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    if not stable.exists() or stable.read_bytes() != text:
+        stable.write_bytes(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        module = _build(stable, f"{NAME}_{digest}")
+    if module is None:
+        raise RuntimeError(f"the kernel source {source} did not build")
+    return module
+
+
+@contextlib.contextmanager
+def using(module: ModuleType):
+    """Run the attention on ``module`` (from :func:`load_source`) inside the block."""
+    with _LOCK:
+        before = _STATE.get("module")
+        _STATE["module"] = module
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _STATE["module"] = before
 
 
 @contextlib.contextmanager
@@ -107,7 +141,7 @@ def _build_lock(folder: Path):
         yield
 
 
-def _build() -> ModuleType | None:
+def _build(source: Path = SOURCE, name: str = NAME) -> ModuleType | None:
     # Loading a cached build takes well under a second; if this takes longer, it compiles.
     notice = threading.Timer(
         2.0,
@@ -119,14 +153,14 @@ def _build() -> ModuleType | None:
     )
     notice.daemon = True
     try:
-        folder = build_directory()
+        folder = build_directory(source)
         with _quiet_builder(), _build_lock(folder):
             from torch.utils import cpp_extension
 
             notice.start()
             return cpp_extension.load(
-                name=NAME,
-                sources=[str(SOURCE)],
+                name=name,
+                sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", *_OPENMP],
                 extra_ldflags=_OPENMP,
                 build_directory=str(folder),

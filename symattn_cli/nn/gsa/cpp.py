@@ -46,13 +46,14 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def build_directory(source: Path = SOURCE) -> Path:
+def build_directory(source: Path | None = None) -> Path:
     """Where the extension is built: one folder per torch and Python version (a build is
     only valid for the torch it was compiled against), per CPU (it is compiled for the host's
     instruction set) and per location of the source file (torch's builder rebuilds when the
     source's path changes, so two checkouts sharing one folder would rebuild it in turn)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    source = source or SOURCE  # the shipped kernel unless another version is named
     where = hashlib.sha1(f"{source.resolve()}|{_cpu_flags()}".encode()).hexdigest()[:8]
     return Path(root) / f"symattn-{python}-torch{torch.__version__}-{where}" / NAME
 
@@ -141,7 +142,7 @@ def _build_lock(folder: Path):
         yield
 
 
-def _build(source: Path = SOURCE, name: str = NAME) -> ModuleType | None:
+def _build(source: Path | None = None, name: str = NAME) -> ModuleType | None:
     # Loading a cached build takes well under a second; if this takes longer, it compiles.
     notice = threading.Timer(
         2.0,
@@ -153,6 +154,7 @@ def _build(source: Path = SOURCE, name: str = NAME) -> ModuleType | None:
     )
     notice.daemon = True
     try:
+        source = source or SOURCE
         folder = build_directory(source)
         with _quiet_builder(), _build_lock(folder):
             from torch.utils import cpp_extension

@@ -76,3 +76,31 @@ def test_openmp_wait_policy_is_the_users():
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # a shared machine's choice reaches the command
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "SEEN PASSIVE False" in out.stdout, out.stderr
+
+
+def test_run_exits_with_the_commands_status_and_freezes_what_is_left(monkeypatch):
+    """The program's entry: main's status as the exit status, and every object left out of
+    the collector's reach, so that shutdown does not search them for cycles."""
+    import gc
+
+    import pytest
+
+    from symattn_cli import cli
+
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.run()
+        assert exit_.value.code == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_module_entry_is_the_program():
+    out = subprocess.run(
+        [sys.executable, "-m", "symattn_cli", "trian"], capture_output=True, text=True,
+        env=symattn_env(),
+    )  # fmt: skip
+    assert out.returncode == 2 and "unknown command 'trian'" in out.stderr

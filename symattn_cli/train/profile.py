@@ -158,8 +158,7 @@ def profiled(directory: Path, *, enabled: bool) -> Iterator[None]:
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no notes about absent GPUs on stderr
 
-    # the block's own time: stopping the profiler (collecting its events, seconds per
-    # hundred thousand of them) lies outside it
+    # the block's own time: stopping the profiler (collecting its events) lies outside it
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()

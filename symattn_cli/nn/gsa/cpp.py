@@ -87,8 +87,9 @@ def load_source(source: Path) -> ModuleType:
     timings), built under a name of its own; the shipped one when ``source`` has its bytes.
     Raises ``RuntimeError`` when it cannot be built."""
     text = Path(source).read_bytes()
-    if text == SOURCE.read_bytes() and load() is not None:
-        return load()
+    shipped = load()
+    if shipped is not None and text == SOURCE.read_bytes():
+        return shipped
     digest = hashlib.sha1(text).hexdigest()[:8]
     # a fixed place per version, so that a second run reuses the build
     stable = build_directory().parent / f"baseline-{digest}" / SOURCE.name

@@ -144,6 +144,7 @@ struct Problem {
   // embedding emb (R, c) and the row each (v, g, m) reads, gidx (Vg, G, M) (Vg = V when the
   // group term depends on the output element (by_v), else 1); rho (V, D, e)
   const S *q, *k, *v, *emb, *rho;  // emb (with gidx), rho: null when absent
+  const S* rho_t;  // with offsets: rho as (V, e, D), one row of D per table entry and channel
   const int64_t *gidx, *offsets, *nb;  // offsets: null when local (offset j)
   const bool* valid;                   // null when every neighbour is inside
   int64_t Z, L, Lkv, G, M, J, d, e, V, K, D, R, c;
@@ -157,7 +158,6 @@ struct Problem {
     const U x = hash32<U>(hash32<U>(lo ^ s0) ^ s1 ^ hi);
     return (x & 0x7FFFu) >= threshold ? U{} + 1 : U{};
   }
-  int64_t offset(int64_t i, int64_t j) const { return offsets ? offsets[i * J + j] : j; }
   // The (..., L)-laid row of batch-head z, element g and channel c of a (Z, d, n, L) tensor
   // (q and dq: n = G; k, v and their gradients: n = M); a tile holds it at g d + c.
   int64_t row(int64_t z, int64_t g, int64_t c, int64_t n) const { return (z * d + c) * n + g; }
@@ -232,6 +232,7 @@ struct Tile {
   enum Layout : uint8_t { kConsecutive, kSame, kScattered };
   std::vector<Layout> layout;  // (J)
   std::vector<int64_t> first;  // (J): the first lane's neighbour
+  std::vector<typename Lanes<S>::I> off;  // (J), with offsets: each lane's off(i, j)
 
   // Lane t of src[index[t]].
   static V lanes(const S* src, const int64_t* index) {
@@ -253,6 +254,11 @@ struct Tile {
       for (int64_t c = 0; c < d; ++c) q[g * d + c] = row_at(p.q + p.row(z, g, c, G) * p.L);
     layout.resize(J);
     first.resize(J);
+    if (p.offsets) {
+      off.resize(J);
+      for (int64_t j = 0; j < J; ++j)
+        for (int64_t t = 0; t < T; ++t) off[j][t] = p.offsets[i[t] * J + j];
+    }
     int64_t index[T];
     for (int64_t j = 0; j < J; ++j) {
       bool consecutive = n == T, same = true;
@@ -312,23 +318,23 @@ struct Tile {
       for (int64_t c = 0; c < p.e; ++c) r[c] = V{} + p.rho[(row * p.D + j) * p.e + c];
       return;
     }
-    for (int64_t t = 0; t < T; ++t) {
-      const S* src = p.rho + (row * p.D + p.offsets[i[t] * p.J + j]) * p.e;
-      for (int64_t c = 0; c < p.e; ++c) r[c][t] = src[c];
+    for (int64_t c = 0; c < p.e; ++c) {  // lane by lane from one row of D (a vector gather)
+      const S* src = p.rho_t + (row * p.e + c) * p.D;
+      for (int64_t t = 0; t < T; ++t) r[c][t] = src[off[j][t]];
     }
   }
 
   // Adds dr (e) to d rho[row, off(i, j)]: lane by lane into the local table's vectors, or
-  // per lane t < n into rho's gradient at its own offset.
+  // per lane t < n into d rho_t (V, e, D) at its own offset.
   void scatter_rho(const Problem<S>& p, V* local, S* drho, int64_t row, int64_t j,
                    const V* dr) const {
     if (!p.offsets) {
       for (int64_t c = 0; c < p.e; ++c) local[(row * p.J + j) * p.e + c] += dr[c];
       return;
     }
-    for (int64_t t = 0; t < n; ++t) {
-      S* dst = drho + (row * p.D + p.offsets[i[t] * p.J + j]) * p.e;
-      for (int64_t c = 0; c < p.e; ++c) dst[c] += dr[c][t];
+    for (int64_t c = 0; c < p.e; ++c) {
+      S* dst = drho + (row * p.e + c) * p.D;
+      for (int64_t t = 0; t < n; ++t) dst[off[j][t]] += dr[c][t];
     }
   }
 
@@ -344,7 +350,8 @@ struct Tile {
 
 // out[a, b] = sum_k x[a, k] y[b, k] (+= with accumulate) for lane vectors, each operand given
 // by its base and strides. Four b at a time: four independent sums share each load of x,
-// instead of one chain of dependent multiply-adds.
+// instead of one chain of dependent multiply-adds; the b past the last four take four a at a
+// time, sharing each load of y.
 template <typename V>
 struct Operand {
   const V* at;
@@ -353,11 +360,12 @@ struct Operand {
 template <typename V>
 void contract(V* out, int64_t out_a, int64_t out_b, Operand<V> x, Operand<V> y, int64_t na,
               int64_t nb, int64_t nk, bool accumulate) {
+  const auto put = [&](V* o, const V& s) { *o = accumulate ? *o + s : s; };
+  const int64_t nb4 = nb - nb % 4;
   for (int64_t a = 0; a < na; ++a) {
     const V* xa = x.at + a * x.outer;
     V* oa = out + a * out_a;
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
+    for (int64_t b = 0; b < nb4; b += 4) {
       const V* yb = y.at + b * y.outer;
       V s0{}, s1{}, s2{}, s3{};
       for (int64_t k = 0; k < nk; ++k) {
@@ -369,17 +377,31 @@ void contract(V* out, int64_t out_a, int64_t out_b, Operand<V> x, Operand<V> y, 
         s3 += xk * yk[3 * y.outer];
       }
       V* o = oa + b * out_b;
-      if (accumulate) {
-        o[0] += s0, o[out_b] += s1, o[2 * out_b] += s2, o[3 * out_b] += s3;
-      } else {
-        o[0] = s0, o[out_b] = s1, o[2 * out_b] = s2, o[3 * out_b] = s3;
-      }
+      put(o, s0), put(o + out_b, s1), put(o + 2 * out_b, s2), put(o + 3 * out_b, s3);
     }
-    for (; b < nb; ++b) {
-      const V* yb = y.at + b * y.outer;
+  }
+  for (int64_t b = nb4; b < nb; ++b) {
+    const V* yb = y.at + b * y.outer;
+    int64_t a = 0;
+    for (; a + 4 <= na; a += 4) {
+      const V* xa = x.at + a * x.outer;
+      V s0{}, s1{}, s2{}, s3{};
+      for (int64_t k = 0; k < nk; ++k) {
+        const V yk = yb[k * y.inner];
+        const V* xk = xa + k * x.inner;
+        s0 += xk[0] * yk;
+        s1 += xk[x.outer] * yk;
+        s2 += xk[2 * x.outer] * yk;
+        s3 += xk[3 * x.outer] * yk;
+      }
+      V* o = out + a * out_a + b * out_b;
+      put(o, s0), put(o + out_a, s1), put(o + 2 * out_a, s2), put(o + 3 * out_a, s3);
+    }
+    for (; a < na; ++a) {
+      const V* xa = x.at + a * x.outer;
       V s{};
       for (int64_t k = 0; k < nk; ++k) s += xa[k * x.inner] * yb[k * y.inner];
-      oa[b * out_b] = accumulate ? oa[b * out_b] + s : s;
+      put(out + a * out_a + b * out_b, s);
     }
   }
 }
@@ -777,7 +799,7 @@ template <typename S>
 Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
                    const OptTensor& gidx, const OptTensor& rho, const OptTensor& offsets,
                    const Tensor& nb, const OptTensor& valid, bool single, int64_t n, int64_t threshold,
-                   int64_t seed) {
+                   int64_t seed, const Tensor& rho_t) {
   Problem<S> p{};
   p.q = q.data_ptr<S>();
   p.k = k.data_ptr<S>();
@@ -787,6 +809,7 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   p.R = emb ? emb->size(0) : 0;
   p.c = emb ? emb->size(1) : 0;
   p.rho = rho ? rho->data_ptr<S>() : nullptr;
+  p.rho_t = rho_t.defined() ? rho_t.data_ptr<S>() : nullptr;
   p.offsets = offsets ? offsets->data_ptr<int64_t>() : nullptr;
   p.nb = nb.data_ptr<int64_t>();
   p.valid = valid ? valid->data_ptr<bool>() : nullptr;
@@ -847,6 +870,12 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
   TORCH_CHECK(!single || q.size(2) == n, "the single form needs G = V");
 }
 
+// rho (V, D, e) as (V, e, D) where offsets index it: a lane's entries are then read by one
+// gather per channel.
+Tensor transposed_table(const OptTensor& rho, const OptTensor& offsets) {
+  return rho && offsets ? rho->transpose(1, 2).contiguous() : Tensor();
+}
+
 // out (Z, d, V, L) from q (Z, d, G, L), k, v (Z, d, M, Lkv), emb (R, c) and gidx (1 or V,
 // G, M) or None, rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L,
 // J) or None.
@@ -857,10 +886,12 @@ Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTenso
                int64_t seed) {
   check(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n);
   Tensor out = at::empty({q.size(0), q.size(1), n, q.size(3)}, q.options());
+  const Tensor rho_t = transposed_table(rho, offsets);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_forward", [&] {
     using S = scalar_t;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed,
+                              rho_t);
     const int64_t tiles = (p.L + T - 1) / T;
     S* o = out.data_ptr<S>();
     at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -890,14 +921,17 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
   const int64_t threads = at::get_num_threads();
   Tensor demb_parts = emb ? at::zeros({threads, emb->size(0), emb->size(1)}, q.options())
                           : Tensor();
-  Tensor drho_parts =
-      rho ? at::zeros({threads, rho->size(0), rho->size(1), rho->size(2)}, q.options())
+  const Tensor rho_t = transposed_table(rho, offsets);
+  Tensor drho_parts =  // as rho_t with offsets (V, e, D), else as rho (V, D, e)
+      rho ? at::zeros({threads, rho->size(0), rho->size(offsets ? 2 : 1),
+                       rho->size(offsets ? 1 : 2)}, q.options())
           : Tensor();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_backward", [&] {
     using S = scalar_t;
     using V = typename Tile<S>::V;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed,
+                              rho_t);
     const S* go = grad_out.data_ptr<S>();
     const int64_t rho_size = rho ? rho->numel() : 0;
     at::parallel_for(0, p.Z, 1, [&](int64_t begin, int64_t end) {
@@ -921,6 +955,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     });
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();
+  if (offsets && rho) drho = drho.transpose(1, 2).contiguous();
   Tensor demb = emb ? demb_parts.sum(0) : Tensor();
   return {dq, dk, dv, demb, drho};
 }

@@ -536,9 +536,11 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
 // entries of the product are never stored; the shift max_m gl[v] does not depend on j, so it
 // cancels in the softmax over j. Where a product could have lost its largest term to
 // underflow (sm below M exp(low / 2) on some lane), this v takes E = exp(c - max_m c) itself
-// (into tl.ev, tl.evk) and F = 1.
+// (into tl.ev, tl.evk) and F = 1. With dp = dP[v] (J, M) (the backward), the same pass over
+// E keep F also gives dbeta[j, g] = (1 / sm) sum_m E keep F dP, into dbeta (J, G).
 template <typename S>
-void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
+void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v, const typename Tile<S>::V* dp = nullptr,
+               typename Tile<S>::V* dbeta = nullptr) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, M = p.M, J = p.J, MG = M * G;
@@ -595,13 +597,26 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v) {
   outer_softmax<S>(J, G, tl.beta, tl.sm, tl.a);
   // P[v, j, m] = sum_g beta pi keep = sum_g a E keep F
   V* pv = tl.pv + v * J * M;
-  for (int64_t j = 0; j < J; ++j)
+  for (int64_t j = 0; j < J; ++j) {
+    const V* aj = tl.a + j * G;
+    if (dp) std::fill(dbeta + j * G, dbeta + (j + 1) * G, V{});
     for (int64_t m = 0; m < M; ++m) {
-      const V *ek = tl.ek + (j * M + m) * G, *fm = f + m * G, *aj = tl.a + j * G;
+      const V *ek = tl.ek + (j * M + m) * G, *fm = f + m * G;
       V sum{};
-      for (int64_t g = 0; g < G; ++g) sum += aj[g] * ek[g] * fm[g];
+      if (dp) {
+        const V x = dp[j * M + m];
+        V* dbj = dbeta + j * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const V w = ek[g] * fm[g];
+          sum += aj[g] * w;
+          dbj[g] += x * w;
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) sum += aj[g] * ek[g] * fm[g];
+      }
       pv[j * M + m] = sum;
     }
+  }
 }
 
 // out (Z, d, V, L) at the tile's queries.
@@ -663,18 +678,9 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     contract<V>(tl.dpv, JM, 1, {tl.go, d, 1}, {tl.vg, d, 1}, p.V, JM, d, false);
     std::fill(tl.dc, tl.dc + J * MG, V{});
     for (int64_t v = 0; v < p.V; ++v) {
-      group_row(p, tl, v);
       const V *f = tl.egl, *dp = tl.dpv + v * JM;
       V* dtv = tl.dt + v * J * G;
-      // dbeta[j, g] = sum_m pi keep dP = (1 / sm) sum_m E keep F dP, into dt
-      for (int64_t j = 0; j < J; ++j) {
-        const V* ekj = tl.ek + j * MG;
-        for (int64_t g = 0; g < G; ++g) {
-          V sum{};
-          for (int64_t m = 0; m < M; ++m) sum += dp[j * M + m] * ekj[m * G + g] * f[m * G + g];
-          dtv[j * G + g] = sum;
-        }
-      }
+      group_row(p, tl, v, dp, dtv);  // and dbeta = sum_m pi keep dP, into dt
       // acc[g] = sum_j beta dbeta;  dt = beta (dbeta - acc)
       for (int64_t g = 0; g < G; ++g) {
         V sum{};

@@ -537,10 +537,11 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
 // cancels in the softmax over j. Where a product could have lost its largest term to
 // underflow (sm below M exp(low / 2) on some lane), this v takes E = exp(c - max_m c) itself
 // (into tl.ev, tl.evk) and F = 1. With dp = dP[v] (J, M) (the backward), the same pass over
-// E keep F also gives dbeta[j, g] = (1 / sm) sum_m E keep F dP, into dbeta (J, G).
+// E keep F also gives sm dbeta[j, g] = sum_m E keep F dP (dbeta = sum_m pi keep dP), into
+// dbeta (J, G).
 template <typename S>
-void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v, const typename Tile<S>::V* dp = nullptr,
-               typename Tile<S>::V* dbeta = nullptr) {
+void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
+               const typename Tile<S>::V* dp = nullptr, typename Tile<S>::V* dbeta = nullptr) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, M = p.M, J = p.J, MG = M * G;
@@ -680,8 +681,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     for (int64_t v = 0; v < p.V; ++v) {
       const V *f = tl.egl, *dp = tl.dpv + v * JM;
       V* dtv = tl.dt + v * J * G;
-      group_row(p, tl, v, dp, dtv);  // and dbeta = sum_m pi keep dP, into dt
-      // acc[g] = sum_j beta dbeta;  dt = beta (dbeta - acc)
+      group_row(p, tl, v, dp, dtv);  // and sm dbeta, into dt
+      // acc[g] = sum_j beta dbeta = sum_j a (sm dbeta);  dt = beta (dbeta - acc)
       for (int64_t g = 0; g < G; ++g) {
         V sum{};
         for (int64_t j = 0; j < J; ++j) sum += tl.a[j * G + g] * dtv[j * G + g];

@@ -191,7 +191,7 @@ struct Tile {
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (J, M, d); dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
+  // dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
   // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv, *dtq, *demb;
 
@@ -207,7 +207,7 @@ struct Tile {
                              bv && p.threshold ? JMG : 0, bv * M * G,
                              bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
                              b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
-                             b * G * d, b * J * M * d, b * J * M * d, b * JMG,
+                             b * G * d, b * M * d, b * M * d, b * JMG,
                              b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
                              b * p.R * p.c};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
@@ -336,6 +336,17 @@ struct Tile {
       S* dst = drho + (row * p.e + c) * p.D;
       for (int64_t t = 0; t < n; ++t) dst[off[j][t]] += dr[c][t];
     }
+  }
+
+  // Adds neighbour j's dk and dv rows (dkg, dvg) to the inputs' gradients (Z, d, M, Lkv);
+  // outside neighbours add 0 (beta = 0).
+  void scatter_kv(const Problem<S>& p, int64_t j, S* dk, S* dv) const {
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t c = 0; c < p.d; ++c) {
+        const int64_t at = p.row(z, m, c, p.M) * p.Lkv;
+        scatter_add(p, j, dk + at, dkg[m * p.d + c]);
+        scatter_add(p, j, dv + at, dvg[m * p.d + c]);
+      }
   }
 
   // Stores x at the tile's points of a (..., L)-laid row, t < n.
@@ -707,8 +718,11 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
         }
     }
     // dv[j, m] = sum_v P[v, j, m] go[v];  dk[j, m] = sum_g DC[j, m, g] q[g]
-    contract<V>(tl.dvg, d, 1, {tl.pv, 1, JM}, {tl.go, 1, d}, JM, d, p.V, false);
-    contract<V>(tl.dkg, d, 1, {tl.dc, G, 1}, {tl.q, 1, d}, JM, d, G, false);
+    for (int64_t j = 0; j < J; ++j) {
+      contract<V>(tl.dvg, d, 1, {tl.pv + j * M, 1, JM}, {tl.go, 1, d}, M, d, p.V, false);
+      contract<V>(tl.dkg, d, 1, {tl.dc + j * MG, G, 1}, {tl.q, 1, d}, M, d, G, false);
+      tl.scatter_kv(p, j, gr.dk, gr.dv);
+    }
   } else if (p.single) {  // dbeta (into dt) and dW
     // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
     for (int64_t g = 0; g < G; ++g)
@@ -764,7 +778,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     contract<V>(dc, G, 1, {tl.vg + j * M * d, d, 1}, {dwj, d, 1}, M, G, d, false);
     if (p.threshold)
       for (int64_t mg = 0; mg < M * G; ++mg) dc[mg] *= tl.keep[j * M * G + mg];
-    contract<V>(tl.dvg + j * M * d, d, 1, {tl.kept(p, j), G, 1}, {dwj, 1, d}, M, d, G, false);
+    contract<V>(tl.dvg, d, 1, {tl.kept(p, j), G, 1}, {dwj, 1, d}, M, d, G, false);
     for (int64_t g = 0; g < G; ++g) {  // dc = pi (dpi - sum_m pi dpi + dlse)
       V acc = -tl.dlse[j * G + g];
       for (int64_t m = 0; m < M; ++m) acc += pj[m * G + g] * dc[m * G + g];
@@ -773,7 +787,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     if (p.emb)
       for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += dc[mg];
     // dk[j, m] = sum_g dc[m, g] q[g]
-    contract<V>(tl.dkg + j * M * d, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
+    contract<V>(tl.dkg, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
+    tl.scatter_kv(p, j, gr.dk, gr.dv);
   }
   // dq[g] += sum_(j,m) dc[j, m, g] k[j, m]
   contract<V>(tl.dq, d, 1, {tl.dc, 1, G}, {tl.kg, 1, d}, G, d, J * M, true);
@@ -789,17 +804,10 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     contract<V>(tl.dq + d - c, d, 1, {tl.dtq, R, 1}, {tl.emb_lanes, 1, c}, G, c, R, true);
     contract<V>(tl.demb, c, 1, {tl.dtq, 1, R}, {tl.q + d - c, 1, d}, R, c, G, true);
   }
-  // scatter to the tile's queries and their neighbours
+  // dq at the tile's queries (dk and dv went to the neighbours above)
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < d; ++c)
       tl.store_row(gr.dq + p.row(tl.z, g, c, G) * p.L, tl.dq[g * d + c]);
-  for (int64_t j = 0; j < J; ++j)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < d; ++c) {  // outside neighbours add 0 (beta = 0)
-        const int64_t at = p.row(tl.z, m, c, M) * p.Lkv, mc = (j * M + m) * d + c;
-        tl.scatter_add(p, j, gr.dk + at, tl.dkg[mc]);
-        tl.scatter_add(p, j, gr.dv + at, tl.dvg[mc]);
-      }
 }
 
 template <typename S>

@@ -191,7 +191,8 @@ struct Tile {
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
   // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
+  // dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G); dgl (M, G), by_v
+  // (V, M, G); by_v: dpv (V, J, M);
   // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv, *dtq, *demb;
 
@@ -937,10 +938,11 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
   Tensor demb_parts = emb ? at::zeros({threads, emb->size(0), emb->size(1)}, q.options())
                           : Tensor();
   const Tensor rho_t = transposed_table(rho, offsets);
-  Tensor drho_parts =  // as rho_t with offsets (V, e, D), else as rho (V, D, e)
-      rho ? at::zeros({threads, rho->size(0), rho->size(offsets ? 2 : 1),
-                       rho->size(offsets ? 1 : 2)}, q.options())
-          : Tensor();
+  // laid out as the table the kernel reads: rho_t (V, e, D) with offsets, else rho (V, D, e)
+  const Tensor table = rho_t.defined() ? rho_t : rho ? *rho : Tensor();
+  Tensor drho_parts = rho ? at::zeros({threads, table.size(0), table.size(1), table.size(2)},
+                                      q.options())
+                          : Tensor();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_backward", [&] {
     using S = scalar_t;
     using V = typename Tile<S>::V;

@@ -32,6 +32,7 @@ preset=gpu device=cuda`` times the whole training step.
 from __future__ import annotations
 
 import ast
+import inspect
 import contextlib
 import linecache
 import math
@@ -393,7 +394,7 @@ def _trip_count(line: tuple[str, int] | None, names: dict[str, Any]) -> int | No
     evaluated with ``names``; None where the line is no such statement."""
     if line is None:
         return None
-    text = linecache.getline(line[0], line[1]).strip()
+    text = linecache.getline(line[0], line[1]).split("#")[0].strip()  # without a comment
     if not text.startswith("for "):
         return None
     try:
@@ -406,8 +407,12 @@ def _trip_count(line: tuple[str, int] | None, names: dict[str, Any]) -> int | No
     return len(range(*[int(b) for b in bounds]))
 
 
-def loops(code: list[Instruction], labels: dict[str, int], names: dict[str, Any]) -> list[Loop]:
-    """The loops of ``code`` (backward branches), nested, with their trip counts."""
+def loops(code: list[Instruction], labels: dict[str, int], names: dict[str, Any],
+          source: str | None = None) -> list[Loop]:  # fmt: skip
+    """The loops of ``code`` (backward branches), nested, with their trip counts. A branch
+    whose line is no ``for`` statement is read at the same line of ``source``, the kernel's
+    file: Triton's line information can name the file of a helper inlined last but keep the
+    loop's line."""
     found = []
     for ins in code:
         if ins.opcode.startswith("BRA") and ins.target in labels:
@@ -427,6 +432,8 @@ def loops(code: list[Instruction], labels: dict[str, int], names: dict[str, Any]
         by_source.setdefault((loop.line, id(loop.parent)), []).append(loop)
     for copies in by_source.values():
         n = _trip_count(copies[0].line, names)
+        if n is None and source is not None and copies[0].line is not None:
+            n = _trip_count((source, copies[0].line[1]), names)
         if n is None:
             for loop in copies:
                 loop.known = False
@@ -484,7 +491,7 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
     names = dict(zip(launch.fn.arg_names, launch.args, strict=False)) | launch.meta
     names = {k: v for k, v in names.items() if isinstance(v, (int, bool))}
     code, labels = sass(cubin)
-    found = loops(code, labels, names)
+    found = loops(code, labels, names, inspect.getsourcefile(launch.fn.fn))
     counts = weighted_counts(code, found)
     programs = math.prod(launch.grid)
     waves = programs / (gpu.sms * max(blocks, 1))

@@ -381,6 +381,9 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
                          for row in static.report(case, cfg.arch, backend, device)]  # fmt: skip
             rows += case_rows
             console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
+            unknown = [f"{r['layer']} {r['kernel']}" for r in case_rows if r["unknown_loops"]]
+            if unknown:  # counted as if run once: those instruction counts are too low
+                console.print(f"loops of unknown trip count, counted once: {', '.join(unknown)}")
             for row in case_rows:
                 if row["layer"] == "total":
                     kernel = row["kernel"].replace("+", "_")

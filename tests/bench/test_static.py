@@ -25,7 +25,8 @@ def test_occupancy_follows_the_register_and_warp_limits():
 
 def test_trip_counts_come_from_the_for_statement(tmp_path: Path):
     source = tmp_path / "kernel.py"
-    source.write_text("for j0 in range(0, J, BJ):\n    for ch in range(d):\n        x = 1\n")
+    source.write_text("for j0 in range(0, J, BJ):\n    for ch in range(d):  # a comment\n"
+                      "        x = 1\n")  # fmt: skip
     names = {"J": 25, "BJ": 16, "d": 10}
     assert static._trip_count((str(source), 1), names) == 2
     assert static._trip_count((str(source), 2), names) == 10
@@ -49,6 +50,23 @@ def test_unrolled_loops_share_the_trip_count(tmp_path: Path):
     assert sorted(loop.trips for loop in found) == [2, 2, 2]
     counts = static.weighted_counts(code, found)
     assert counts["fma"] == 2 * (4 * 2 + 2)
+
+
+def test_a_loop_named_in_another_file_is_read_in_the_kernels_source(tmp_path: Path):
+    """Triton's line information can name the file of an inlined helper but the loop's own
+    line: that line of the kernel's source gives the trip count; without it the loop counts
+    as unknown and runs once."""
+    kernel, helper = tmp_path / "kernel.py", tmp_path / "helper.py"
+    kernel.write_text("x = 0\nfor r in range(T):\n    x += 1\n")
+    helper.write_text("def f():\n    return 1\n")
+    ins = static.Instruction
+    code = [ins(0x00, "FFMA", (str(kernel), 3), None),
+            ins(0x10, "BRA", (str(helper), 2), ".L_x_0")]  # fmt: skip
+    labels = {".L_x_0": 0x00}
+    (found,) = static.loops(code, labels, {"T": 8}, str(kernel))
+    assert found.known and found.trips == 8
+    (blind,) = static.loops(code, labels, {"T": 8})
+    assert not blind.known and blind.trips == 1
 
 
 def test_useful_flops_and_bytes_of_a_layer():

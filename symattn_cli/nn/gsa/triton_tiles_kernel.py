@@ -529,7 +529,7 @@ def attention_backward(
         enc_ok = (gm < G) & (mm < M) & (cc < c)
         dqt = tl.full((BQ, BG, BC), 0.0, dtype)
         rows_gl = T if GL_V else 1
-        for r in range(rows_gl):
+        for r in range(T if GL_V else 1):
             dgl_r = _row4(dgl, r, BT)  # (BQ, BG, BM)
             at = ((r * G + gm) * M + mm) * c + cc
             enc = tl.load(grho_ptr + at, mask=enc_ok, other=0.0)  # (BG, BM, BC)

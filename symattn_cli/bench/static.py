@@ -32,8 +32,8 @@ preset=gpu device=cuda`` times the whole training step.
 from __future__ import annotations
 
 import ast
-import inspect
 import contextlib
+import inspect
 import linecache
 import math
 import os

@@ -142,8 +142,8 @@ def static_table(rows: Sequence[dict[str, Any]], title: str):
     measured = "measured_ms" in rows[0]
     timed = ("measured ms", "/issue", "/bound") if measured else ()
     for name in ("layer", "kernel", "programs", "regs", "spills", "smem KiB", "occ %",
-                 "waves", "k instr/prog", "atomics/prog", "issue ms", "FLOP ms", "DRAM ms",
-                 "issue/bound", *timed):  # fmt: skip
+                 "waves", "warp rep %", "k instr/prog", "atomics/prog", "issue ms", "FLOP ms",
+                 "DRAM ms", "issue/bound", *timed):  # fmt: skip
         table.add_column(name, justify="left" if name in ("layer", "kernel") else "right",
                          no_wrap=True)  # fmt: skip
     for row in rows:
@@ -153,6 +153,7 @@ def static_table(rows: Sequence[dict[str, Any]], title: str):
             row["layer"], row["kernel"], number(row["programs"], ",.0f"),
             number(row["regs"], "d"), spills, number(row["shared_bytes"] / 1024, ".1f"),
             number(100 * row["occupancy"], ".0f"), "" if total else number(row["waves"], ".1f"),
+            number(100 * row["warp_repeat"], ".0f"),
             "" if total else number(row["instructions_per_program"] / 1e3, ".1f"),
             "" if total else number(row["atomics_per_program"], ",.0f"),
             number(row["issue_ms"], ".3f"), number(row["flop_ms"], ".3f") + f" {row['flop_unit']}",

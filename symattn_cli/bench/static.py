@@ -17,6 +17,10 @@ with Triton (``cuobjdump``, ``nvdisasm``):
   launch's sizes; a loop the compiler unrolled is split between its unrolled copy and its
   remainder in proportion to their sizes). Both sides of a branch are counted, so this is an
   upper estimate of what runs;
+- **work the warps repeat**: from the compiler's layouts (TTGIR), the share of the
+  floating-point operations' lanes that hold what another warp of the program also holds
+  (a tensor smaller than its layout's warps cover, or a layout that keeps every warp on
+  the same elements), each operation weighted by its tensor's size, not by trip counts;
 - **three lower bounds on the time**: instruction issue (warp instructions over SMs x warp
   schedulers x clock, one instruction per scheduler per cycle), arithmetic (the useful
   floating-point operations of the algorithm, :func:`useful_flops`, over the peak of the
@@ -469,6 +473,89 @@ def weighted_counts(code: list[Instruction], found: list[Loop]) -> dict[str, flo
     return counts
 
 
+_ALIAS = re.compile(r"^(#[\w]+) = (#ttg\.\w+<.*>)\s*$", re.MULTILINE)
+_FLOAT_OP = re.compile(r"= (?:arith\.\w+f|math\.\w+|arith\.select)\b")
+
+
+def _inner(text: str, start: int) -> str:
+    """The text between the ``<`` at ``start`` and its matching ``>``."""
+    depth = 0
+    for at in range(start, len(text)):
+        depth += {"<": 1, ">": -1}.get(text[at], 0)
+        if depth == 0:
+            return text[start + 1 : at]
+    raise ValueError(f"unbalanced layout text: {text[start:]!r}")
+
+
+def _ints(text: str, key: str) -> list[int]:
+    found = re.search(key + r" = \[([\d, ]*)\]", text)
+    return [int(x) for x in found.group(1).split(",") if x.strip()] if found else []
+
+
+def warp_bases(layout: str, aliases: dict[str, str]) -> list[list[int]] | None:
+    """How the warps of a program step through a tensor in ``layout`` (TTGIR text or one of
+    the ``aliases``): one vector per bit of the warp index, the element offset that bit adds
+    (all zero: warps differing in that bit hold the same elements). None for layouts that are
+    no distributed tensors' (operands of a product, shared memory)."""
+    layout = aliases.get(layout.strip(), layout.strip())
+    kind = re.match(r"#ttg\.(\w+)<", layout)
+    if not kind:
+        return None
+    body = _inner(layout, kind.end() - 1)
+    if kind.group(1) == "slice":  # the parent without axis `dim`
+        dim = int(re.search(r"dim = (\d+)", body).group(1))
+        parent = warp_bases(body.split("parent = ", 1)[1].rstrip("}"), aliases)
+        return None if parent is None else [b[:dim] + b[dim + 1 :] for b in parent]
+    if kind.group(1) == "linear":
+        start = body.index("warp = [") + len("warp = ")
+        depth, end = 0, start
+        for end in range(start, len(body)):
+            depth += {"[": 1, "]": -1}.get(body[end], 0)
+            if depth == 0:
+                break
+        vectors = re.findall(r"\[([\d, ]+)\]", body[start : end + 1])
+        return [[int(x) for x in vec.split(",")] for vec in vectors]
+    if kind.group(1) == "blocked":
+        per_warp = [a * b for a, b in zip(_ints(body, "sizePerThread"),
+                                          _ints(body, "threadsPerWarp"), strict=True)]  # fmt: skip
+        counts = _ints(body, "warpsPerCTA")
+    elif kind.group(1) == "nvidia_mma":  # a warp covers 16 rows of an instruction's columns
+        counts = _ints(body, "warpsPerCTA")
+        per_warp = [16, _ints(body, "instrShape")[1]][: len(counts)]
+    else:
+        return None
+    bases = []
+    for axis, (count, step) in enumerate(zip(counts, per_warp, strict=True)):
+        for bit in range(max(count.bit_length() - 1, 0)):
+            vec = [0] * len(counts)
+            vec[axis] = step << bit
+            bases.append(vec)
+    return bases
+
+
+def warp_repeat(ttgir: str, warps: int) -> float:
+    """The share of the floating-point operations' lanes (each operation weighted by its
+    result's elements) that repeat another warp's elements: a warp bit whose offset is 0, or
+    falls outside the tensor, doubles the copies."""
+    aliases = dict(_ALIAS.findall(ttgir))
+    total = repeated = 0.0
+    for line in ttgir.splitlines():
+        if not _FLOAT_OP.search(line) or "tensor<" not in line:
+            continue
+        start = line.rindex("tensor<") + len("tensor")
+        shape_text, _, layout = _inner(line, start).partition(", ")
+        dims = [int(x) for x in shape_text.split("x")[:-1]]
+        bases = warp_bases(layout, aliases)
+        if bases is None or not dims:
+            continue
+        distinct = sum(any(0 < b < n for b, n in zip(vec, dims, strict=True)) for vec in bases)
+        copies = warps / 2**distinct
+        size = math.prod(dims)
+        total += size * copies
+        repeated += size * (copies - 1)
+    return repeated / total if total else 0.0
+
+
 def occupancy(gpu: GPU, regs: int, shared: int, warps: int) -> tuple[int, float]:
     """Blocks per SM and the fraction of the SM's warps they hold: registers are allocated
     per warp in units of 256 within each of the four sub-partitions."""
@@ -512,6 +599,7 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
         shared_bytes=shared, blocks_per_sm=blocks, occupancy=occ, waves=waves,
         sass_instructions=len(code), loops=len(found),
         unknown_loops=sum(not lp.known for lp in found),
+        warp_repeat=warp_repeat(compiled.asm["ttgir"], warps),
         instructions_per_program=counts["instructions"] * warps,
         atomics_per_program=counts["atomic"] * warps, barriers_per_program=counts["barrier"],
         mma_per_program=counts["mma"] * warps, warp_instructions=warp_instructions,
@@ -579,6 +667,7 @@ def report(case, arch: int = 90, backend: str = "triton",
         for key in ("regs", "shared_bytes", "stack_bytes"):
             total[key] = max(r[key] for r in part)
         total["occupancy"] = min(r["occupancy"] for r in part)
+        total["warp_repeat"] = max(r["warp_repeat"] for r in part)
         total["blocks_per_sm"] = min(r["blocks_per_sm"] for r in part)
         total["issue_over_bound"] = total["issue_ms"] / max(total["flop_ms"], total["dram_ms"])
         totals.append(total)

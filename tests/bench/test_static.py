@@ -69,6 +69,44 @@ def test_a_loop_named_in_another_file_is_read_in_the_kernels_source(tmp_path: Pa
     assert not blind.known and blind.trips == 1
 
 
+def test_warp_bases_of_each_layout_kind():
+    """Per bit of the warp index, the element offset it adds: blocked and MMA layouts step a
+    warp's coverage per bit along their axes, linear ones list it, a slice drops its axis."""
+    aliases = {
+        "#b": "#ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [2, 16], "
+              "warpsPerCTA = [4, 1], order = [1, 0]}>",
+        "#l": "#ttg.linear<{register = [[0, 1]], lane = [[1, 0]], warp = [[0, 0], [0, 2]], "
+              "block = []}>",
+        "#m": "#ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 4], "
+              "instrShape = [16, 8]}>",
+    }  # fmt: skip
+    assert static.warp_bases("#b", aliases) == [[2, 0], [4, 0]]
+    assert static.warp_bases("#l", aliases) == [[0, 0], [0, 2]]
+    assert static.warp_bases("#m", aliases) == [[0, 8], [0, 16]]
+    assert static.warp_bases("#ttg.slice<{dim = 0, parent = #b}>", aliases) == [[0], [0]]
+    nested = "#ttg.slice<{dim = 0, parent = #ttg.slice<{dim = 1, parent = #m}>}>"
+    assert static.warp_bases(nested, aliases) == [[], []]
+    assert static.warp_bases("#ttg.dot_op<{opIdx = 0, parent = #m}>", aliases) is None
+
+
+def test_warp_repeat_counts_the_lanes_that_hold_another_warps_elements():
+    """Four warps: an exp on a 16 x 64 tensor whose layout spreads the warps over its rows
+    (none repeats) and an add on one whose linear layout keeps every warp on the same
+    elements (three of four copies repeat), each weighted by its elements."""
+    ttgir = "\n".join([
+        "#blocked = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], "
+        "warpsPerCTA = [4, 1], order = [1, 0]}>",
+        "#linear = #ttg.linear<{register = [[0, 1]], lane = [[1, 0]], warp = [[0, 0], [0, 0]], "
+        "block = []}>",
+        "  %a = math.exp %x : tensor<16x64xf32, #blocked> loc(#loc1)",
+        "  %b = arith.addf %y, %z : tensor<16x64xf32, #linear> loc(#loc2)",
+        "  %c = arith.addi %i, %j : tensor<16xi32, #ttg.slice<{dim = 1, parent = #blocked}>>",
+    ])  # fmt: skip
+    assert static.warp_repeat(ttgir, 4) == pytest.approx(3 * 1024 / (1024 + 4 * 1024))
+    # a tensor of 2 rows in the blocked layout: warps 2 and 3 repeat warps 0 and 1
+    assert static.warp_repeat(ttgir.replace("16x64", "2x64").split("\n  %b")[0], 4) == 0.5
+
+
 def test_useful_flops_and_bytes_of_a_layer():
     sizes = dict(Z=1, L=1, Lkv=1, G=2, M=3, d=4, J=5, e=2, D=5, V=2, enc=6, single=False,
                  rows=2, gl_v=False, tables=100)  # fmt: skip

@@ -48,6 +48,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from symattn_cli.errors import ConfigError
@@ -160,15 +161,57 @@ class Launch:
 KERNELS = ("triton", "triton_tiles")  # the attention backends with Triton kernels
 
 
-def launches(call: Call, backend: str = "triton", sms: int = 1) -> list[Launch]:
+def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
+    """Each Triton backend's launcher (``symattn_cli/nn/gsa/<backend>.py``) at git ``revision``
+    of this checkout, with its kernel module (``<backend>_kernel.py``) of that revision in
+    place of today's: copies written into ``directory`` and imported from there."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    package = Path(__file__).resolve().parents[1] / "nn" / "gsa"
+    loaded = {}
+    for backend in KERNELS:
+        modules = {}
+        for name in (f"{backend}_kernel", backend):
+            command = ["git", "-C", str(package), "show", f"{revision}:./{name}.py"]
+            try:
+                done = subprocess.run(command, capture_output=True, timeout=60)
+                error = done.stderr.decode(errors="replace").strip() if done.returncode else ""
+            except OSError as err:  # no git
+                error = str(err) or "git failed"
+            if error:
+                raise ConfigError(
+                    f"kernel_baseline={revision!r}: no {name}.py at that revision of this "
+                    f"checkout ({error.splitlines()[-1]}); give a commit such as HEAD~1"
+                )
+            path = Path(directory) / f"baseline_{name}.py"
+            path.write_bytes(done.stdout)
+            spec = importlib.util.spec_from_file_location(f"symattn_baseline_{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # Triton reads the kernels' source through it
+            spec.loader.exec_module(module)
+            modules[name] = module
+        kernel = modules[f"{backend}_kernel"]
+        modules[backend].kernels = lambda kernel=kernel: kernel
+        loaded[backend] = modules[backend]
+    return loaded
+
+
+def launches(call: Call, backend: str = "triton", sms: int = 1,
+             launcher: ModuleType | None = None) -> list[Launch]:  # fmt: skip
     """The forward and backward launches of ``backend``'s Triton kernels for ``call`` on a GPU
-    of ``sms`` multiprocessors (the copies of drho the backward adds into depend on it)."""
+    of ``sms`` multiprocessors (the copies of drho the backward adds into depend on it), by
+    today's launcher of that backend or by ``launcher`` (:func:`baseline_launchers`)."""
     import torch
 
     import symattn_cli.nn.gsa.core as core
     from symattn_cli.nn.gsa import triton as gsa_triton
     from symattn_cli.nn.gsa import triton_tiles
     from symattn_cli.nn.gsa.common import DROP_STEPS, gradient_copies
+
+    if launcher is not None:
+        gsa_triton = triton_tiles = launcher
 
     if backend not in KERNELS:
         raise ConfigError(f"attention backend {backend!r} has no Triton kernel; choose from "
@@ -640,18 +683,19 @@ def measure(launch: Launch, device: str) -> dict[str, float]:
     return {"measured_ms": float(ms)}
 
 
-def report(case, arch: int = 90, backend: str = "triton",
-           device: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def report(case, arch: int = 90, backend: str = "triton", device: str | None = None,
+           launcher: ModuleType | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The report's rows for every attention launch of ``case`` (forward and backward of each
-    layer) by ``backend``'s kernels, then a total row per kernel and fwd+bwd (times summed;
-    occupancy the lowest). With a CUDA ``device`` each launch is also run there and timed
-    (:func:`measure`): ``measured_ms``, and its ratios to the issue bound and to the larger of
-    the FLOP and DRAM bounds."""
+    layer) by ``backend``'s kernels (those of ``launcher``, :func:`baseline_launchers`, if
+    given), then a total row per kernel and fwd+bwd (times summed; occupancy the lowest).
+    With a CUDA ``device`` each launch is also run there and timed (:func:`measure`):
+    ``measured_ms``, and its ratios to the issue bound and to the larger of the FLOP and DRAM
+    bounds."""
     gpu_for(arch)
     with _fresh_cache():
         rows = [analyse(launch, arch) | ({} if device is None else measure(launch, device))
                 for call in attention_calls(case)
-                for launch in launches(call, backend, gpu_for(arch).sms)]  # fmt: skip
+                for launch in launches(call, backend, gpu_for(arch).sms, launcher)]  # fmt: skip
     totals = []
     for kernel in ("forward", "backward", "fwd+bwd"):
         part = [r for r in rows if kernel in ("fwd+bwd", r["kernel"])]

@@ -373,27 +373,52 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
         if backend not in static.KERNELS:
             raise ConfigError(f"attention_backends: {backend!r} has no Triton kernel; choose "
                               f"from {', '.join(static.KERNELS)}")  # fmt: skip
+    # the Triton kernels of another revision, each beside today's: {backend: launcher}
+    baseline = {}
+    if cfg.kernel_baseline:
+        baseline = static.baseline_launchers(cfg.kernel_baseline, run_dir())
     rows, summary, totals = [], {}, {}
     for index, case in enumerate(cases):
         for which, backend in enumerate(backends):
-            label = f"{case.name} {case.query_form} {case.group_index} b{case.batch} {backend}"
-            case_rows = [{"case": label, "attention_backend": backend, **row}
-                         for row in static.report(case, cfg.arch, backend, device)]  # fmt: skip
-            rows += case_rows
-            console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
-            unknown = [f"{r['layer']} {r['kernel']}" for r in case_rows if r["unknown_loops"]]
-            if unknown:  # counted as if run once: those instruction counts are too low
-                console.print(f"loops of unknown trip count, counted once: {', '.join(unknown)}")
-            for row in case_rows:
-                if row["layer"] == "total":
+            versions = {backend: None}
+            if baseline:
+                versions[f"{backend}@{cfg.kernel_baseline}"] = baseline[backend]
+            version_totals = {}
+            for version, launcher in versions.items():
+                label = f"{case.name} {case.query_form} {case.group_index} b{case.batch} {version}"
+                case_rows = [{"case": label, "attention_backend": version, **row}
+                             for row in static.report(case, cfg.arch, backend, device,
+                                                      launcher)]  # fmt: skip
+                rows += case_rows
+                console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
+                unknown = [f"{r['layer']} {r['kernel']}" for r in case_rows if r["unknown_loops"]]
+                if unknown:  # counted as if run once: those instruction counts are too low
+                    console.print("loops of unknown trip count, counted once: "
+                                  + ", ".join(unknown))  # fmt: skip
+                for row in case_rows:
+                    if row["layer"] != "total":
+                        continue
                     kernel = row["kernel"].replace("+", "_")
-                    key = f"case{index}_" + (f"{backend}_" if which else "") + kernel
+                    key = (f"case{index}_" + ("baseline_" if launcher else "")
+                           + (f"{backend}_" if which else "") + kernel)  # fmt: skip
                     for column in ("issue_ms", "flop_ms", "dram_ms", "spill_instructions",
                                    "measured_ms"):  # fmt: skip
                         if column in row:
                             summary[f"{key}_{column}"] = row[column]
                     summary[f"{key}_min_occupancy"] = row["occupancy"]
-                    totals[index, backend, row["kernel"]] = row["issue_ms"]
+                    if launcher is None:
+                        totals[index, backend, row["kernel"]] = row["issue_ms"]
+                    version_totals[version, row["kernel"]] = row
+            if baseline:  # the other revision over today's, per kernel and fwd+bwd
+                old, new = list(versions)[1], backend
+                for column, what in (("issue_ms", "issue bound"), ("measured_ms", "measured")):
+                    if column not in version_totals[new, "fwd+bwd"]:
+                        continue
+                    parts = []
+                    for kernel in ("forward", "backward", "fwd+bwd"):
+                        then, now = version_totals[old, kernel], version_totals[new, kernel]
+                        parts.append(f"{kernel} {then[column] / now[column]:.2f}x")
+                    console.print(f"{what}, {old} over today's {new}: {', '.join(parts)}")
         if len(backends) > 1:  # side by side: each backend's issue bound over the first's
             first = backends[0]
             for backend in backends[1:]:

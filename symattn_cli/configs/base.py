@@ -91,7 +91,8 @@ class BenchmarkConfig:
     # ("": the ratios use the published figures)
     reference_code: str = ""
     # the C++ kernel to time ours against, alternated in one process: a git revision of this
-    # checkout (HEAD~1) or a cpp_kernel.cpp path ("": off)
+    # checkout (HEAD~1) or a cpp_kernel.cpp path ("": off); with preset=gpu-static the Triton
+    # kernels of that revision, each reported beside today's
     kernel_baseline: str = ""
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
     seed: int = 0

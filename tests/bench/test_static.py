@@ -4,6 +4,7 @@ of the occupancy and the loop weighting, and that the command reports every laun
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from symattn_cli.bench import static
+from symattn_cli.errors import ConfigError
 from symattn_cli.train.runfile import read_summary, read_table
 from tests.helpers import run_symattn
 
@@ -151,6 +153,49 @@ def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     assert summary["case0_triton_tiles_fwd_bwd_issue_ms"] > 0
 
 
+def test_baseline_launchers_bring_their_own_kernels(tmp_path: Path):
+    """The Triton backends at a git revision: each launcher's kernels come from that
+    revision's copy of its kernel file, not from today's module, and its launches use them."""
+    from ..nn.test_gsa_core import _inputs
+
+    loaded = static.baseline_launchers("HEAD", tmp_path)
+    assert set(loaded) == set(static.KERNELS)
+    for backend, launcher in loaded.items():
+        kernels = launcher.kernels()
+        assert Path(kernels.__file__) == tmp_path / f"baseline_{backend}_kernel.py"
+        assert kernels is not importlib.import_module(f"symattn_cli.nn.gsa.{backend}").kernels()
+    q, k, v, grho, rho, offsets, nb, valid, n = _inputs(z=1, n_q=3, by_v=True)
+    call = static.Call("layer", q, k, v, grho, rho, offsets, nb, valid, "sum", n, 0.1)
+    for launch in static.launches(call, "triton_tiles", launcher=loaded["triton_tiles"]):
+        assert launch.fn is getattr(loaded["triton_tiles"].kernels(), launch.fn.__name__)
+
+
+def test_baseline_revision_that_does_not_exist_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="kernel_baseline='no-such-rev'.*HEAD~1"):
+        static.baseline_launchers("no-such-rev", tmp_path)
+
+
+@pytest.mark.slow
+def test_gpu_static_preset_sets_another_revision_beside_todays(workdir: Path):
+    """``kernel_baseline=HEAD``: each launch of the tiled kernel compiled at that revision and
+    today's, both tables and the ratio of their issue bounds, rows of both in the run file."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+        "attention_backends=[triton_tiles]", "kernel_baseline=HEAD", "logger.mode=disabled",
+        f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "issue bound, triton_tiles@HEAD over today's triton_tiles" in result.stdout
+    rows = read_table(out / "run.h5", "static")
+    assert set(rows["attention_backend"]) == {"triton_tiles", "triton_tiles@HEAD"}
+    assert read_summary(out / "run.h5")["case0_baseline_fwd_bwd_issue_ms"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_static_preset_times_each_launch_on_a_gpu(workdir: Path):
@@ -171,3 +216,22 @@ def test_gpu_static_preset_times_each_launch_on_a_gpu(workdir: Path):
     fwd_bwd = rows["kernel"] == "fwd+bwd"
     assert np.isclose(rows["measured_ms"][fwd_bwd][0], rows["measured_ms"][layers].sum())
     assert read_summary(out / "run.h5")["case0_fwd_bwd_measured_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_static_preset_times_another_revision_beside_todays(workdir: Path):
+    """With ``device=cuda`` and ``kernel_baseline=HEAD`` both versions' launches are timed and
+    the measured ratio printed."""
+    major, minor = torch.cuda.get_device_capability()
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]", "device=cuda",
+        f"arch={major}{minor}", "attention_backends=[triton_tiles]", "kernel_baseline=HEAD",
+        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    if result.returncode != 0 and "no peak figures" in result.stderr:
+        pytest.skip(f"no peak figures for sm_{major}{minor}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "measured, triton_tiles@HEAD over today's triton_tiles" in result.stdout
+    assert read_summary(out / "run.h5")["case0_baseline_fwd_bwd_measured_ms"] > 0

@@ -11,11 +11,11 @@ layers; local ones read row j).
 
 The two softmaxes of the core are one softmax over (h, m) of the whole logit, for each query
 i, outer row r and query element g (beta_r pi_r = exp(x_r - LSE_r), the core's
-factorisation read backwards), so the kernel forms it directly, for all rows at once:
+factorisation read backwards), so the kernel forms it directly, one row r at a time:
 
   x[i, r, g, h, m] = S[i, g, h, m] + gl[i, r, g, m] + sp[i, r, g, h]     (-inf off the slots)
-  S  = q . k                      Q (BQ G, d) @ K^T (d, BH M)            (``tl.dot``)
-  gl = q[:, :, d-c:] . grho[r, g, m]     (row 0 for every r unless GL_V; once per program)
+  S  = q . k                      Q (BQ G, d) @ K^T (d, BH M)            (``tl.dot``, per block)
+  gl = q[:, :, d-c:] . grho[r, g, m]     (GL_V: per block and row; else row 0, once a program)
   sp = q[:, :, :e] . rho[r, row]          (single form: rho at row g, one row r)
   W  = exp(x - LSE),  LSE[i, r, g] = logsumexp_(h, m) x
   P[i, r, h, m] = sum_g W keep                 (single form: P[i, g, h, m] = W keep)

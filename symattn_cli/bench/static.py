@@ -166,27 +166,24 @@ def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
     of this checkout, with its kernel module (``<backend>_kernel.py``) of that revision in
     place of today's: copies written into ``directory`` and imported from there."""
     import importlib.util
-    import subprocess
     import sys
+
+    from symattn_cli.bench.revision import file_at
 
     package = Path(__file__).resolve().parents[1] / "nn" / "gsa"
     loaded = {}
     for backend in KERNELS:
         modules = {}
         for name in (f"{backend}_kernel", backend):
-            command = ["git", "-C", str(package), "show", f"{revision}:./{name}.py"]
             try:
-                done = subprocess.run(command, capture_output=True, timeout=60)
-                error = done.stderr.decode(errors="replace").strip() if done.returncode else ""
-            except OSError as err:  # no git
-                error = str(err) or "git failed"
-            if error:
+                source = file_at(package / f"{name}.py", revision)
+            except ValueError as err:
                 raise ConfigError(
                     f"kernel_baseline={revision!r}: no {name}.py at that revision of this "
-                    f"checkout ({error.splitlines()[-1]}); give a commit such as HEAD~1"
-                )
+                    f"checkout ({err}); give a commit such as HEAD~1"
+                ) from None
             path = Path(directory) / f"baseline_{name}.py"
-            path.write_bytes(done.stdout)
+            path.write_bytes(source)
             spec = importlib.util.spec_from_file_location(f"symattn_baseline_{name}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # Triton reads the kernels' source through it

@@ -76,28 +76,24 @@ def _settings(cfg: Any, preset: Any):
 def _kernel_source(value: str, device: str, directory) -> str:
     """The C++ kernel source that ``kernel_baseline=`` names: a file, or the kernel's source at a
     git revision of this checkout, written into the run directory."""
-    import subprocess
     from pathlib import Path
 
+    from symattn_cli.bench.revision import file_at
     from symattn_cli.nn.gsa.cpp import SOURCE
 
     if device != "cpu":
         raise ConfigError(f"kernel_baseline={value!r} times the C++ kernel: use device=cpu")
     if Path(value).is_file():
         return str(Path(value).resolve())
-    command = ["git", "-C", str(SOURCE.parent), "show", f"{value}:./{SOURCE.name}"]
     try:
-        done = subprocess.run(command, capture_output=True, timeout=60)
-        error = done.stderr.decode(errors="replace").strip() if done.returncode else ""
-    except OSError as err:  # no git
-        error = str(err) or "git failed"
-    if error:
+        source = file_at(SOURCE, value)
+    except ValueError as err:
         raise ConfigError(
             f"kernel_baseline={value!r} is neither a file nor a git revision of this checkout "
-            f"({error.splitlines()[-1]}); give a cpp_kernel.cpp path or a commit such as HEAD~1"
-        )
+            f"({err}); give a cpp_kernel.cpp path or a commit such as HEAD~1"
+        ) from None
     path = Path(directory) / f"baseline_{SOURCE.name}"
-    path.write_bytes(done.stdout)
+    path.write_bytes(source)
     return str(path)
 
 

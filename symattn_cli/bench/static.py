@@ -517,11 +517,12 @@ _ALIAS = re.compile(r"^(#[\w]+) = (#ttg\.\w+<.*>)\s*$", re.MULTILINE)
 _FLOAT_OP = re.compile(r"= (?:arith\.\w+f|math\.\w+|arith\.select)\b")
 
 
-def _inner(text: str, start: int) -> str:
-    """The text between the ``<`` at ``start`` and its matching ``>``."""
+def _inner(text: str, start: int, brackets: str = "<>") -> str:
+    """The text between the opening bracket at ``start`` and its match (``brackets``: the
+    opening and the closing one)."""
     depth = 0
     for at in range(start, len(text)):
-        depth += {"<": 1, ">": -1}.get(text[at], 0)
+        depth += {brackets[0]: 1, brackets[1]: -1}.get(text[at], 0)
         if depth == 0:
             return text[start + 1 : at]
     raise ValueError(f"unbalanced layout text: {text[start:]!r}")
@@ -547,13 +548,8 @@ def warp_bases(layout: str, aliases: dict[str, str]) -> list[list[int]] | None:
         parent = warp_bases(body.split("parent = ", 1)[1].rstrip("}"), aliases)
         return None if parent is None else [b[:dim] + b[dim + 1 :] for b in parent]
     if kind.group(1) == "linear":
-        start = body.index("warp = [") + len("warp = ")
-        depth, end = 0, start
-        for end in range(start, len(body)):
-            depth += {"[": 1, "]": -1}.get(body[end], 0)
-            if depth == 0:
-                break
-        vectors = re.findall(r"\[([\d, ]+)\]", body[start : end + 1])
+        warp = _inner(body, body.index("warp = [") + len("warp = "), "[]")
+        vectors = re.findall(r"\[([\d, ]+)\]", warp)
         return [[int(x) for x in vec.split(",")] for vec in vectors]
     if kind.group(1) == "blocked":
         per_warp = [a * b for a, b in zip(_ints(body, "sizePerThread"),

@@ -114,9 +114,8 @@ def test_factorised_softmax_matches_eq16(index):
 
 @pytest.mark.parametrize("patch, crop", [(3, 1), (3, 2), (5, 1), (5, 3)])
 def test_a_cropped_layer_is_the_full_layer_cropped(patch, crop):
-    """The cropped layer's queries are a run of pixels with the crop's margins (dropped
-    after): values and gradients are the full layer's at the kept pixels, whether or not the
-    neighbourhoods reach outside the map."""
+    """The cropped layer's queries are the kept pixels only: values and gradients are the
+    full layer's there, whether or not the neighbourhoods reach outside the map."""
     layer = GroupSelfAttention(group=get_group("r4"), in_channels=3, out_channels=6, heads=2,
                                head_dim=6, patch_size=patch, checkpointing=False)  # fmt: skip
     layer = randomize_encodings(layer).double()

@@ -213,6 +213,37 @@ def test_backends_draw_the_same_dropout_mask_at_the_set_rate(kernel):
     assert torch.equal(again, outs["cpp"])  # reproducibly from torch's seed
 
 
+def _rows_of(width: int, rows: int, shift: list[int], reverse: bool = False) -> torch.Tensor:
+    """Neighbour tables ``(width * rows, J)`` of queries laid row by row on a map of side
+    ``width + 4``: neighbour j of query (y, x) is pixel (y + 1, x + shift[j]); ``reverse``
+    lists the queries of each row backwards."""
+    y, x = torch.arange(rows).repeat_interleave(width), torch.arange(width).repeat(rows)
+    if reverse:
+        x = width - 1 - x
+    return torch.stack([(y + 1) * (width + 4) + x + s for s in shift], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["sum", "single"])
+def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
+    """A tile of queries (16 floats or 8 doubles) whose neighbours are one run of consecutive
+    points, two runs (a tile across the end of a row), several runs, one point or no run (a
+    row listed backwards) gives the oracle's values and gradients, dropout included."""
+    for width, reverse in [(11, False), (5, False), (11, True), (1, False)]:
+        nb = _rows_of(width, 6, [0, 1, 3, 2], reverse)
+        if width == 1:
+            nb[:, 0] = 7  # every query's first neighbour at one point
+        q, k, v, group_rho, rho, _, _, valid, n = _inputs(
+            n_q=nb.shape[0], n_kv=(width + 4) * 8, j=4, g=2, m=2, by_v=form == "sum"
+        )
+        inputs = (q, k, v, group_rho, rho, None, nb, valid, n)
+        ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="cpp")
+        oracle = _run(_dense(0.3), inputs, form)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        for a, b in zip(ours, oracle, strict=True):
+            assert (a.double() - b).abs().max() <= tol * b.abs().max(), (width, reverse)
+
+
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_threads_give_the_same_values_and_gradients(form, kernel):
     """The kernel splits queries (forward) and batch-heads (backward) among torch's threads;

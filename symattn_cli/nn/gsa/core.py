@@ -185,9 +185,8 @@ def factorised_attention(
         if group_rho is not None and group_index is None:  # every (v, g, m) its own row
             group_index = torch.arange(group_rho[..., 0].numel()).view(group_rho.shape[:-1])
             group_rho = group_rho.reshape(-1, group_rho.shape[-1])
-        out = cpp.cpp_attention(q, k, v, group_rho, group_index, rho, offsets, neighbour, valid,
-                                single, n, threshold, seed)  # fmt: skip
-        return out * (1.0 / (1.0 - drop)) if drop > 0 else out
+        return cpp.cpp_attention(q, k, v, group_rho, group_index, rho, offsets, neighbour,
+                                 valid, single, n, threshold, seed)  # fmt: skip
     if group_rho is not None and group_index is not None:
         group_rho = group_rho[group_index]
     # the tiled kernel forms the group logits from the encoding; the others take them

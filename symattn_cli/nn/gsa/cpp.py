@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from symattn_cli.nn.gsa.common import DROP_STEPS
+
 SOURCE = Path(__file__).with_name("cpp_kernel.cpp")
 NAME = "symattn_gsa_kernel"
 ENV = "SYMATTN_CPP"
@@ -214,15 +216,15 @@ class CppAttention(torch.autograd.Function):
 def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
                   seed):  # fmt: skip
     """The factorised attention (:mod:`symattn_cli.nn.gsa.core`) by the fused CPU kernel,
-    without the 1 / (1 - drop) rescaling: ``(Z, L, V, d)`` (a view of a ``(Z, d, V, L)``
-    tensor, which the layer's W_out reads without a copy). ``emb`` ``(R, c)``: the group
-    embedding, dotted with q's last c channels, and ``index`` ``(G, M)`` or ``(V, G, M)``
-    (sum form only) the row each (g, m) or (v, g, m) reads: gl[v, m, g] = q_ig . emb[index[v,
-    g, m]], gathered inside the kernel; both None without a group term. Dropout keeps an entry
-    whose 15-bit hash is at least ``threshold``. The kernel takes q, k and v as ``(Z, d, G,
-    L)``: the point axis last, so that a tile of consecutive queries, and their neighbours at
-    one offset, are consecutive numbers, and channels first, the layout of the 1x1 maps that
-    make them (the layer's views are permuted back without a copy)."""
+    the 1 / (1 - drop) rescaling of attention dropout included: ``(Z, L, V, d)`` (a view of
+    a ``(Z, d, V, L)`` tensor, which the layer's W_out reads without a copy). ``emb`` ``(R,
+    c)``: the group embedding, dotted with q's last c channels, and ``index`` ``(G, M)`` or
+    ``(V, G, M)`` (sum form only) the row each (g, m) or (v, g, m) reads: gl[v, m, g] = q_ig .
+    emb[index[v, g, m]], gathered inside the kernel; both None without a group term. Dropout
+    keeps an entry whose 15-bit hash is at least ``threshold``. The kernel takes q, k and v as
+    ``(Z, d, G, L)``: the point axis last, so that a tile of consecutive queries, and their
+    neighbours at one offset, are runs of consecutive numbers, and channels first, the layout
+    of the 1x1 maps that make them (the layer's views are permuted back without a copy)."""
 
     def points_last(t):  # (Z, P, G, d) -> (Z, d, G, P)
         return None if t is None else t.permute(0, 3, 2, 1).contiguous()
@@ -239,4 +241,6 @@ def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n
         else None, flat(rho), flat(offsets), flat(neighbour), flat(valid), single, n,
         threshold, seed,
     )  # fmt: skip
+    if threshold and not getattr(load(), "rescales_dropout", False):  # an older kernel's build
+        out = out * (1.0 / (1.0 - threshold / DROP_STEPS))
     return out.permute(0, 3, 2, 1)  # (Z, L, V, d)

@@ -14,7 +14,8 @@
 //   beta      = sm exp(u - max_j u) / sum_j (...)         = softmax_j (u + log sm)
 //   out[v]    = sum_(j,g) beta[v,j,g] W[j,g]   (sum form; K = 1: the same row for every v)
 //   out[g]    = sum_j beta[0,j,g] W[j,g]       (single form)
-// Backward, with go = dL/dout at the query:
+// and the output is written times 1 / (1 - drop), the rescaling of attention dropout.
+// Backward, with go = dL/dout at the query times 1 / (1 - drop):
 //   dbeta[k,j,g] = go[k] . W[j,g],  dW[j,g] = sum_k beta[k,j,g] go[k]
 //   dt   = beta (dbeta - sum_j beta dbeta),     dlse[j,g] = sum_k dt[k,j,g]
 //   drho[k,off] += sum_g dt[k,j,g] q[g,:e],     dq[g,:e] += sum_(k,j) dt[k,j,g] rho[k,off]
@@ -150,6 +151,7 @@ struct Problem {
   int64_t Z, L, Lkv, G, M, J, d, e, V, K, D, R, c;
   bool single, by_v;
   uint32_t threshold, s0, s1;  // dropout: keep iff hash mod 2^15 >= threshold
+  S scale;  // 1 / (1 - drop), drop = threshold / 2^15: the output's and go's factor
 
   // The keep mask (1 or 0) at flat indices lo + hi 2^32, lane by lane (U: T lanes of
   // uint32_t).
@@ -229,10 +231,14 @@ struct Tile {
   }
 
   // How the lanes' neighbours j lie in the key axis: at consecutive points (a local tile
-  // inside the image: vector loads), at one point (global: broadcasts), or anywhere.
-  enum Layout : uint8_t { kConsecutive, kSame, kScattered };
+  // within one image row: a vector load), in two runs of consecutive points (a tile across
+  // the end of a row: two vector loads, one blend), at one point (global: broadcasts), or
+  // anywhere. Lane t of run r reads point base_r + t.
+  enum Layout : uint8_t { kConsecutive, kTwoRuns, kSame, kScattered };
   std::vector<Layout> layout;  // (J)
-  std::vector<int64_t> first;  // (J): the first lane's neighbour
+  std::vector<int64_t> first;  // (J): the first lane's neighbour, base_0
+  std::vector<int64_t> second;  // (J), two runs: base_1 = the second run's first point less its lane
+  std::vector<typename Lanes<S>::I> lower;  // (J), two runs: all ones on the first run's lanes
   std::vector<typename Lanes<S>::I> off;  // (J), with offsets: each lane's off(i, j)
 
   // Lane t of src[index[t]].
@@ -255,6 +261,8 @@ struct Tile {
       for (int64_t c = 0; c < d; ++c) q[g * d + c] = row_at(p.q + p.row(z, g, c, G) * p.L);
     layout.resize(J);
     first.resize(J);
+    second.resize(J);
+    lower.resize(J);
     if (p.offsets) {
       off.resize(J);
       for (int64_t j = 0; j < J; ++j)
@@ -262,14 +270,21 @@ struct Tile {
     }
     int64_t index[T];
     for (int64_t j = 0; j < J; ++j) {
-      bool consecutive = n == T, same = true;
+      bool same = true;
+      int64_t split = T;  // the first lane off the first run
       for (int64_t t = 0; t < T; ++t) {
         index[t] = p.nb[i[t] * J + j];
-        consecutive &= index[t] == index[0] + t;
+        if (split == T && index[t] != index[0] + t) split = t;
         same &= index[t] == index[0];
       }
-      layout[j] = consecutive ? kConsecutive : same ? kSame : kScattered;
+      // Two runs whose loads stay within [index[0], index[T-1]]: the second starts past the
+      // first's lanes (base_1 >= base_0) and runs to the last lane.
+      bool two = n == T && split < T && index[split] - split >= index[0];
+      for (int64_t t = split; two && t < T; ++t) two = index[t] == index[split] + (t - split);
+      layout[j] = n == T && split == T ? kConsecutive : two ? kTwoRuns : same ? kSame : kScattered;
       first[j] = index[0];
+      second[j] = two ? index[split] - split : index[0];
+      for (int64_t t = 0; t < T; ++t) lower[j][t] = t < split ? -1 : 0;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = 0; c < d; ++c) {
           const int64_t at = p.row(z, m, c, M) * Lkv, mc = (j * M + m) * d + c;
@@ -277,6 +292,10 @@ struct Tile {
           switch (layout[j]) {
             case kConsecutive:
               kg[mc] = loadu<V>(k_row + index[0]), vg[mc] = loadu<V>(v_row + index[0]);
+              break;
+            case kTwoRuns:
+              kg[mc] = lower[j] ? loadu<V>(k_row + index[0]) : loadu<V>(k_row + second[j]);
+              vg[mc] = lower[j] ? loadu<V>(v_row + index[0]) : loadu<V>(v_row + second[j]);
               break;
             case kSame:
               kg[mc] = V{} + k_row[index[0]], vg[mc] = V{} + v_row[index[0]];
@@ -294,6 +313,12 @@ struct Tile {
       case kConsecutive:
         storeu(row + first[j], loadu<V>(row + first[j]) + x);
         break;
+      case kTwoRuns: {  // each run adds 0 on the other's lanes
+        const V zero{};
+        storeu(row + first[j], loadu<V>(row + first[j]) + (lower[j] ? x : zero));
+        storeu(row + second[j], loadu<V>(row + second[j]) + (lower[j] ? zero : x));
+        break;
+      }
       case kSame: {
         S sum = 0;
         for (int64_t t = 0; t < n; ++t) sum += x[t];
@@ -652,10 +677,10 @@ void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
   for (int64_t k = 0; k < rows; ++k)
     for (int64_t c = 0; c < d; ++c) {
       if (rows == p.V) {
-        tl.store_row(out + ((tl.z * d + c) * p.V + k) * p.L, o[k * d + c]);
+        tl.store_row(out + ((tl.z * d + c) * p.V + k) * p.L, o[k * d + c] * p.scale);
       } else {  // no spatial term: every v has the same weights
         for (int64_t v = 0; v < p.V; ++v)
-          tl.store_row(out + ((tl.z * d + c) * p.V + v) * p.L, o[k * d + c]);
+          tl.store_row(out + ((tl.z * d + c) * p.V + v) * p.L, o[k * d + c] * p.scale);
       }
     }
 }
@@ -674,9 +699,10 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   using V = typename Tile<S>::V;
   const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
   const int64_t rows = p.rows();
-  // go at the tile's queries, (V, d); 0 on lanes without a query of their own
+  // go at the tile's queries times the dropout's rescaling, (V, d); 0 on lanes without a
+  // query of their own
   V valid_lane{};
-  for (int64_t t = 0; t < tl.n; ++t) valid_lane[t] = 1;
+  for (int64_t t = 0; t < tl.n; ++t) valid_lane[t] = p.scale;
   for (int64_t v = 0; v < p.V; ++v)
     for (int64_t c = 0; c < d; ++c)
       tl.go[v * d + c] = tl.row_at(go + ((tl.z * d + c) * p.V + v) * p.L) * valid_lane;
@@ -838,6 +864,7 @@ Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptT
   p.by_v = emb && gidx->size(0) > 1;
   p.K = (single || !p.e) ? 1 : n;
   p.threshold = static_cast<uint32_t>(threshold);
+  p.scale = static_cast<S>(1.0 / (1.0 - static_cast<double>(threshold) / 32768.0));
   p.s0 = static_cast<uint32_t>(static_cast<uint64_t>(seed));
   p.s1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   return p;
@@ -994,5 +1021,6 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "fused factorised attention, forward (see core.py)");
   m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)");
+  m.attr("rescales_dropout") = true;  // writes out times 1 / (1 - drop) itself
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for runs here");
 }

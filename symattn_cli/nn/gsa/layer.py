@@ -310,10 +310,9 @@ class GroupSelfAttention(nn.Module):
         Keys and values are flattened to ``(Z, H*W, M, d)``; the neighbour at offset (dy, dx)
         of output pixel (y, x) is pixel (y + dy, x + dx). Neighbours outside the image are
         masked out (their flat index is clamped into the map, whose key then takes no weight
-        and gets no gradient). The queries are the pixels from (crop, crop) to (H-1-crop,
-        W-1-crop) in flat order, the cropped margins of the rows in between included, so that
-        consecutive queries have consecutive neighbours (a kernel reads a tile's keys as
-        runs); the margins' outputs are dropped.
+        and gets no gradient). The queries are the output pixels, from (crop, crop) to
+        (H-1-crop, W-1-crop), in flat order: along a row their neighbours at one offset are
+        consecutive pixels (a kernel reads a tile's keys as runs).
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
@@ -323,25 +322,18 @@ class GroupSelfAttention(nn.Module):
         k = k.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         v = v.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         out_h, out_w = height - 2 * crop, width - 2 * crop
-        first, count = crop * width + crop, (out_h - 1) * width + out_w  # the queries' range
-        q = q.reshape(z, d, m, height * width)[..., first : first + count]  # (Z, d, G, L')
-        q = q.permute(0, 3, 2, 1)  # (Z, L', G, d)
+        q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
+        q = q.reshape(z, d, m, out_h * out_w).permute(0, 3, 2, 1)  # (Z, L, G, d)
 
         dev = x.device
-        points = torch.arange(first, first + count, device=dev)  # (L',)
-        tops, lefts = points // width - r, points % width - r
-        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L', J) each
-        # something lies outside: rows above or below (crop < r), or the margins' columns
-        margins = crop > 0 and out_h > 1
-        valid = inside if r > 0 and (crop < r or margins) else None
+        tops = torch.arange(out_h, device=dev).repeat_interleave(out_w) + (crop - r)  # (L,)
+        lefts = torch.arange(out_w, device=dev).repeat(out_h) + (crop - r)  # (L,)
+        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
+        valid = inside if crop < r else None  # some neighbourhood reaches outside the map
 
         offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
         rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
-        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L', V, d)
-        if margins:  # keep the output pixels: the first W - 2 crop queries of each row
-            rows = torch.arange(out_h, device=dev)[:, None] * width
-            keep = (rows + torch.arange(out_w, device=dev)).reshape(-1)  # (L,) into L'
-            out = out.index_select(1, keep)  # (Z, L, V, d)
+        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global

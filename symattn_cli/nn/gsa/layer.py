@@ -256,14 +256,19 @@ class GroupSelfAttention(nn.Module):
             rho_h = self.group_embedding[self.group_index_table]  # (G, M, E) or (V, G, M, E)
         return rho_xy, rho_h
 
-    def _qkv(self, x: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, crop: int = 0):
         """``x`` ``(B, C, M, ...)`` -> q (scaled by 1/sqrt(d)), k, v each ``(Z, d, M, ...)``,
-        contiguous (the layout of the fused CPU kernel: no copy in between)."""
+        contiguous (the layout of the fused CPU kernel: no copy in between); q only at the
+        pixels ``crop`` away from every border (the queries of a cropped layer)."""
         b, _, m = x.shape[:3]
-        shape = (b * self.heads, self.head_dim, m, *x.shape[3:])
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(b * self.heads, self.head_dim, m, *t.shape[3:])
+
+        inner = x[..., crop : x.shape[-2] - crop, crop : x.shape[-1] - crop] if crop else x
         scale = 1.0 / math.sqrt(self.head_dim)  # in the map's weights: no scaled copy of q
-        q = pointwise(x, self.query.weight * scale, self.query.bias * scale)
-        return q.reshape(shape), self.key(x).reshape(shape), self.value(x).reshape(shape)
+        q = pointwise(inner, self.query.weight * scale, self.query.bias * scale)
+        return heads(q), heads(self.key(x)), heads(self.value(x))
 
     def _output(self, out: torch.Tensor, b: int, spatial: tuple[int, ...]) -> torch.Tensor:
         """``(Z, L, V, d)`` -> W_out -> ``(B, C_out, N, *spatial)``."""
@@ -316,13 +321,12 @@ class GroupSelfAttention(nn.Module):
         """
         b, _, m, height, width = x.shape
         p, r = self.patch_size, self.patch_size // 2
-        q, k, v = self._qkv(x)  # (Z, d, M, H, W)
+        q, k, v = self._qkv(x, crop)  # q (Z, d, G, H', W'), k, v (Z, d, M, H, W)
         z, d = q.shape[:2]
         # views in the core's (Z, points, M, d) order: each backend copies into its own layout
         k = k.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         v = v.reshape(z, d, m, height * width).permute(0, 3, 2, 1)  # (Z, Lkv, M, d)
         out_h, out_w = height - 2 * crop, width - 2 * crop
-        q = q[..., crop : height - crop, crop : width - crop]  # (Z, d, G, H', W')
         q = q.reshape(z, d, m, out_h * out_w).permute(0, 3, 2, 1)  # (Z, L, G, d)
 
         dev = x.device

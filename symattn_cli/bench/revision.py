@@ -18,3 +18,11 @@ def file_at(path: Path, revision: str) -> bytes:
         error = done.stderr.decode(errors="replace").strip() or f"git exited {done.returncode}"
         raise ValueError(error.splitlines()[-1])
     return done.stdout
+
+
+def copy_at(path: Path, revision: str, directory: str | Path) -> Path:
+    """``path`` as it was at git ``revision``, written into ``directory`` as
+    ``baseline_<name>``; raises ``ValueError`` as :func:`file_at` does."""
+    copy = Path(directory) / f"baseline_{path.name}"
+    copy.write_bytes(file_at(path, revision))
+    return copy

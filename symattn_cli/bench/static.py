@@ -168,7 +168,7 @@ def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
     import importlib.util
     import sys
 
-    from symattn_cli.bench.revision import file_at
+    from symattn_cli.bench.revision import copy_at
 
     package = Path(__file__).resolve().parents[1] / "nn" / "gsa"
     loaded = {}
@@ -176,14 +176,12 @@ def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
         modules = {}
         for name in (f"{backend}_kernel", backend):
             try:
-                source = file_at(package / f"{name}.py", revision)
+                path = copy_at(package / f"{name}.py", revision, directory)
             except ValueError as err:
                 raise ConfigError(
                     f"kernel_baseline={revision!r}: no {name}.py at that revision of this "
                     f"checkout ({err}); give a commit such as HEAD~1"
                 ) from None
-            path = Path(directory) / f"baseline_{name}.py"
-            path.write_bytes(source)
             spec = importlib.util.spec_from_file_location(f"symattn_baseline_{name}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # Triton reads the kernels' source through it

@@ -78,7 +78,7 @@ def _kernel_source(value: str, device: str, directory) -> str:
     git revision of this checkout, written into the run directory."""
     from pathlib import Path
 
-    from symattn_cli.bench.revision import file_at
+    from symattn_cli.bench.revision import copy_at
     from symattn_cli.nn.gsa.cpp import SOURCE
 
     if device != "cpu":
@@ -86,15 +86,12 @@ def _kernel_source(value: str, device: str, directory) -> str:
     if Path(value).is_file():
         return str(Path(value).resolve())
     try:
-        source = file_at(SOURCE, value)
+        return str(copy_at(SOURCE, value, directory))
     except ValueError as err:
         raise ConfigError(
             f"kernel_baseline={value!r} is neither a file nor a git revision of this checkout "
             f"({err}); give a cpp_kernel.cpp path or a commit such as HEAD~1"
         ) from None
-    path = Path(directory) / f"baseline_{SOURCE.name}"
-    path.write_bytes(source)
-    return str(path)
 
 
 def _device(name: str) -> str:

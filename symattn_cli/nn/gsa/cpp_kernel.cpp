@@ -237,7 +237,8 @@ struct Tile {
   enum Layout : uint8_t { kConsecutive, kTwoRuns, kSame, kScattered };
   std::vector<Layout> layout;  // (J)
   std::vector<int64_t> first;  // (J): the first lane's neighbour, base_0
-  std::vector<int64_t> second;  // (J), two runs: base_1 = the second run's first point less its lane
+  std::vector<int64_t> second;  // (J), two runs: base_1, the second run's first point less
+                                // its lane
   std::vector<typename Lanes<S>::I> lower;  // (J), two runs: all ones on the first run's lanes
   std::vector<typename Lanes<S>::I> off;  // (J), with offsets: each lane's off(i, j)
 

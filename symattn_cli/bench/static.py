@@ -234,10 +234,16 @@ def launches(call: Call, backend: str = "triton", sms: int = 1,
     else:
         enc = triton_tiles.encoding(call.group_rho, single)  # (Vg, G, M, c)
         lse = triton_tiles.statistics(q, enc, rho, single, call.n)
-        launch = triton_tiles.plan(q, k, v, enc, rho, *rest)
+        # a baseline's launcher may be older: one whose plan took the seed (the kernels drew
+        # the dropout mask) and whose backward ran a program a tile
+        takes = inspect.signature(triton_tiles.plan).parameters
+        launch = triton_tiles.plan(q, k, v, enc, rho, *(rest if "seed" in takes else rest[:-1]))
+        extra = {}
+        if hasattr(triton_tiles, "backward_programs"):
+            extra["programs"] = triton_tiles.backward_programs(q, sms)
         kernels = (
             triton_tiles.forward_launch(out, lse, launch),
-            triton_tiles.backward_launch(dqkv, go, lse, launch, copies=copies),
+            triton_tiles.backward_launch(dqkv, go, lse, launch, copies=copies, **extra),
         )
     dtype = str(q.dtype).removeprefix("torch.")
     result = []
@@ -307,7 +313,8 @@ def dram_bytes(s: dict[str, Any], kernel: str, size: int) -> float:
 # ---------------------------------------------------------------- compiling and reading SASS
 
 
-_TYPES = {"float32": "fp32", "float64": "fp64", "int64": "i64", "int32": "i32", "int8": "i8",
+_TYPES = {"float32": "fp32", "float64": "fp64", "int64": "i64", "int32": "i32", "int16": "i16",
+          "int8": "i8", "uint8": "u8",
           "bool": "i1"}  # fmt: skip
 
 
@@ -611,6 +618,8 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
     blocks, occ = occupancy(gpu, usage["reg"], shared, warps)
     names = dict(zip(launch.fn.arg_names, launch.args, strict=False)) | launch.meta
     names = {k: v for k, v in names.items() if isinstance(v, (int, bool))}
+    # a program that takes tiles in turn (``range(pid, TILES, programs)``): the first's count
+    names |= {"pid": 0, "programs": math.prod(launch.grid)}
     code, labels = sass(cubin)
     found = loops(code, labels, names, inspect.getsourcefile(launch.fn.fn))
     counts = weighted_counts(code, found)

@@ -68,7 +68,7 @@ def test_many_tiles_and_halo_blocks(form, shape, device, monkeypatch):
     """Nine queries, 9 neighbours each out of 30 keys (repeats likely), blocks as small as the
     products allow, dropout on: the statistics carried from block to block, dk, dv, drho added
     from many programs, d grho summed over programs."""
-    monkeypatch.setattr(triton_tiles, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(triton_tiles, "COLUMNS", 1)
     seen = _kernel_only(monkeypatch)
     inputs = _on(device, _inputs(**{**shape, "z": 2, "n_q": 9, "n_kv": 30, "j": 9}))
     ours = _run(factorised_attention, inputs, form, drop=0.3, backend="triton_tiles")

@@ -18,18 +18,18 @@ import torch
 from symattn_cli.nn.gsa.common import gradient_copies
 from symattn_cli.nn.gsa.triton import ENV, available, interpreted
 
-# Numbers in a block's largest tensor, (BQ, BG or R, BH, BM), held in registers: larger blocks
-# mean fewer passes of the loop but more registers a thread.
-BLOCK_ELEMENTS = 1024
+# Columns (halo points times key elements) of a block of logits: each thread of the
+# program's warps holds COLUMNS / 2 of its rows' logits.
+COLUMNS = 32
 # tl.dot takes operands of at least 16 along every axis
 DOT_MIN = 16
-# Warps a program: a lifting layer's tile (G = 1: 16 queries, their halo 16 points a block)
-# fills four; a group layer's (2 queries of G = 8: tensors of (2, 8, BH, 8)) runs faster on
-# two, with fewer partial sums passed between warps.
-LIFTING_WARPS = 4
-GROUP_WARPS = 2
+# A warp holds 16 rows of the products (one matrix tile's height), whole, so that it reduces
+# them without shared memory; at most this many warps a program.
+MAX_WARPS = 8
 # float32 products on tensor cores at float32 accuracy (three TF32 products); float64 exact
 PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
+# Backward programs a multiprocessor: each takes tiles in turn and sums its d grho
+PROGRAMS_PER_SM = 8
 
 _MASK32 = 0xFFFFFFFF
 _NONE = torch.iinfo(torch.int64).max
@@ -63,15 +63,15 @@ def encoding(group_rho, single: bool):
 
 
 def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int) -> dict[str, int]:
-    """Block sizes: BQ queries a tile and BH halo points a block, powers of two, such that both
-    products have operands of at least :data:`DOT_MIN` a side and the largest block tensor
-    holds about :data:`BLOCK_ELEMENTS` numbers; ``rows``: R, the output rows a query."""
+    """Block sizes, powers of two: BQ queries a tile, whose BQ BR BG rows (query, outer row,
+    element; ``rows``: the outer rows R of a query) fill at least one matrix tile, and BH halo
+    points a block, whose BH BM columns are at least :data:`DOT_MIN` and about
+    :data:`COLUMNS`."""
     bg, bm, br = _power2(g), _power2(m), _power2(rows)
-    bq = max(1, DOT_MIN // min(bg, br))
-    bh = max(_power2(-(-DOT_MIN // bm)), BLOCK_ELEMENTS // (bq * max(bg, br) * bm))
-    return dict(
-        BQ=bq, BH=bh, BG=bg, BM=bm, BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=_power2(e), BR=br
-    )
+    bq = max(1, DOT_MIN // (br * bg))
+    bh = max(_power2(-(-DOT_MIN // bm)), COLUMNS // bm)
+    return dict(BQ=bq, BR=br, BH=bh, BG=bg, BM=bm, BD=max(_power2(d), DOT_MIN), BC=_power2(c),
+                BE=_power2(e))  # fmt: skip
 
 
 def tile_maps(neighbour, valid, offsets, bq: int, bh: int):
@@ -124,8 +124,7 @@ def tile_maps(neighbour, valid, offsets, bq: int, bh: int):
     return points, slot, row
 
 
-def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int, threshold: int,
-            seed: int):  # fmt: skip
+def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int):
     """The kernels' tile maps, size arguments and block sizes."""
     _, n_q, g, d = q.shape
     n_kv, m = k.shape[1:3]
@@ -134,25 +133,26 @@ def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int, th
     c = 0 if grho is None else grho.shape[-1]
     e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
     rows = _rows(single, rho, n, gl_v)
-    blocks = tile_sizes(g, m, g if single else rows, d, c, e)
-    blocks["BT"] = _power2(rows)
+    blocks = tile_sizes(g, m, 1 if single else rows, d, c, e)
     blocks["BV"] = _power2(n)
     halo, slot, row = tile_maps(neighbour, valid, offsets, blocks["BQ"], blocks["BH"])
-    sizes = (n_q, n_kv, halo.shape[0], halo.shape[1], j, m, g, d, c, e, distinct, n, rows,
-             seed & _MASK32, (seed >> 32) & _MASK32, threshold)  # fmt: skip
+    sizes = (n_q, n_kv, halo.shape[0], halo.shape[1], j, m, g, d, c, e, distinct, n, rows)
     return (halo, slot, slot if row is None else row), sizes, blocks
 
 
 class TiledAttention(torch.autograd.Function):
-    """The kernel's forward and backward (arguments: see :func:`tiled_attention`)."""
+    """The kernels' forward and backward (arguments: see :func:`tiled_attention`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
         lse = statistics(q, grho, rho, single, n)
-        # the tile maps, built once for both kernels
-        ctx.plan = plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed)
+        # the tile maps and the keep mask, built once for both kernels
+        ctx.plan = plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold)
+        if threshold > 0 and q.numel():
+            kernel, grid, args, meta = keep_launch(ctx.plan, threshold, seed)
+            kernel[grid](*args, **meta)
         if out.numel():
             kernel, grid, args, meta = forward_launch(out, lse, ctx.plan)
             kernel[grid](*args, **meta)
@@ -170,8 +170,14 @@ class TiledAttention(torch.autograd.Function):
         dgrho = None
         z, n_q = q.shape[:2]
         if z * n_q:
-            kernel, grid, args, meta = backward_launch((dq, dk, dv), grad_out, lse, ctx.plan,
-                                                       copies=gradient_copies(q, rho))  # fmt: skip
+            kernel, grid, args, meta = backward_launch(
+                (dq, dk, dv),
+                grad_out,
+                lse,
+                ctx.plan,
+                copies=gradient_copies(q, rho),
+                programs=backward_programs(q),
+            )
             kernel[grid](*args, **meta)
             if grho is not None:  # each program's part, summed in a fixed order
                 dgrho = args[3].sum(dim=0)
@@ -190,6 +196,30 @@ def statistics(q, grho, rho, single: bool, n: int):
     return q.new_empty(z, n_q, _rows(single, rho, n, gl_v), g)
 
 
+def backward_programs(q, sms: int | None = None) -> int:
+    """Programs of the backward on q's GPU (or one of ``sms`` multiprocessors):
+    :data:`PROGRAMS_PER_SM` a multiprocessor; 2 on the CPU (the interpreter)."""
+    if sms is None:
+        if q.device.type != "cuda":
+            return 2
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return PROGRAMS_PER_SM * sms
+
+
+def keep_launch(launch, threshold: int, seed: int):
+    """The kernel that draws dropout's keep mask into the plan's ``bits`` (:func:`plan`), its
+    grid, arguments and keyword arguments: entries whose 15-bit hash of ``seed`` is at least
+    ``threshold`` are kept."""
+    program, _, args, meta = launch
+    q, bits = args[0], args[5]
+    j, m, g = args[13], args[14], args[15]
+    bj = max(1, 1024 // (meta["BG"] * meta["BM"]))
+    grid = (q.shape[0] * q.shape[1],)
+    kwargs = dict(BJ=min(bj, _power2(j)), BM=meta["BM"], BG=meta["BG"], num_warps=4)
+    return program.keep_bits, grid, (bits, j, m, g, seed & _MASK32, (seed >> 32) & _MASK32,
+                                     threshold), kwargs  # fmt: skip
+
+
 def forward_launch(out, lse, launch):
     """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
     launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`) by
@@ -198,38 +228,48 @@ def forward_launch(out, lse, launch):
     return program.attention_forward, grid, (out, lse, *args), meta
 
 
-def backward_launch(grads, grad_out, lse, launch, copies: int = 1):
-    """The backward kernel, its grid, arguments and keyword arguments by ``launch``
-    (:func:`plan`), writing ``grads`` (dq, dk, dv: zeroed), each program's d grho (a new
-    tensor, argument 3) and, with a spatial term, ``copies`` copies of drho (a new tensor
-    ``(copies, V, D, e)``, argument 4) from ``grad_out`` ``(Z, L, V, d)`` and the forward's
-    ``lse``; the caller sums both new tensors over their first axis."""
+def backward_launch(grads, grad_out, lse, launch, copies: int = 1, programs: int = 1):
+    """The backward kernel, its grid (at most ``programs`` programs, each taking tiles in
+    turn), arguments and keyword arguments by ``launch`` (:func:`plan`), writing ``grads``
+    (dq, dk, dv: zeroed), each program's d grho (a new tensor, argument 3) and, with a spatial
+    term, ``copies`` copies of drho (a new tensor ``(copies, V, D, e)``, argument 4) from
+    ``grad_out`` ``(Z, L, V, d)`` and the forward's ``lse``; the caller sums both new tensors
+    over their first axis."""
     program, grid, args, meta = launch
     q, grho, rho = args[0], args[3], args[4]
-    if meta["BR"] == 1:  # every v had the same output row: their gradients add up
+    if meta["BR"] == 1 and not meta["SINGLE"]:  # every v had the same output row: add them up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
     dq, dk, dv = grads
+    tiles = grid[0]
+    grid = (max(1, min(tiles, programs)),)
     dgrho = q.new_zeros(grid[0], *grho.shape) if meta["HAS_GL"] else q
     drho = rho.new_zeros(copies, *rho.shape) if meta["HAS_RHO"] else q
-    args = (dq, dk, dv, dgrho, drho, grad_out, lse, *args, grad_out.shape[2], copies)
+    args = (dq, dk, dv, dgrho, drho, grad_out, lse, *args, grad_out.shape[2], copies, tiles)
     return program.attention_backward, grid, args, meta
 
 
-def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
-    """The kernel module, the grid, the kernels' common arguments (the tile maps among them)
-    and their compile-time ones, for the forward and the backward alike. Absent tensors are
-    replaced by a stand-in that is never read."""
-    maps, sizes, blocks = _launch(q, k, grho, rho, neighbour, offsets, valid, single, n,
-                                  threshold, seed)  # fmt: skip
-    args = (q, k, v, q if grho is None else grho, q if rho is None else rho, *maps, *sizes)
+def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold):
+    """The kernel module, the forward's grid, the kernels' common arguments (the tile maps and
+    an empty tensor for the keep mask among them) and their compile-time ones, for the forward
+    and the backward alike. Absent tensors are replaced by a stand-in that is never read."""
+    maps, sizes, blocks = _launch(q, k, grho, rho, neighbour, offsets, valid, single, n)
+    bits = q
+    if threshold > 0:  # one bit per key element m of each (query, element g, neighbour)
+        m = k.shape[2]
+        if m > 32:
+            raise ValueError(f"dropout on the tiled kernel takes at most 32 key elements, not {m}")
+        dtype = torch.uint8 if m <= 8 else torch.int16 if m <= 16 else torch.int32
+        bits = torch.empty(q.shape[0] * q.shape[1], q.shape[2], neighbour.shape[1],
+                           dtype=dtype, device=q.device)  # fmt: skip
+    args = (q, k, v, q if grho is None else grho, q if rho is None else rho, bits, *maps, *sizes)
     flags = dict(
         HAS_GL=grho is not None, GL_V=grho is not None and grho.shape[0] > 1,
         HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None, SINGLE=single,
         DROP=threshold > 0, PRECISION=PRECISION[q.dtype],
     )  # fmt: skip
     grid = (q.shape[0] * maps[0].shape[0],)
-    warps = LIFTING_WARPS if q.shape[2] == 1 else GROUP_WARPS
+    warps = max(1, min(MAX_WARPS, blocks["BQ"] * blocks["BR"] * blocks["BG"] // DOT_MIN))
     return kernels(), grid, args, {**flags, **blocks, "num_warps": warps}
 
 

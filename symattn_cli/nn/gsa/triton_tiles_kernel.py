@@ -1,43 +1,47 @@
-"""The fused Triton kernel of the factorised attention core (:mod:`symattn_cli.nn.gsa.core`,
+"""The fused Triton kernels of the factorised attention core (:mod:`symattn_cli.nn.gsa.core`,
 which states the algorithm and the letters) over tiles of queries;
-:mod:`symattn_cli.nn.gsa.triton_tiles` builds the tiles and launches it.
+:mod:`symattn_cli.nn.gsa.triton_tiles` builds the tiles and launches them.
 
-A program takes BQ query points of one batch-head with all their G elements, q ``(BQ G, d)``
-resident, and visits the union of their neighbours, the tile's *halo* (``halo (NT, H)``: key
-points, each repeated as often as one query lists it), BH points at a time, with all M
-elements. ``slot (NT, BQ, H)`` says which neighbour j of query iq a halo point is (-1: none:
-outside its window, invalid, or padding) and ``row (NT, BQ, H)`` its row of rho (global
-layers; local ones read row j).
+A program takes a tile of BQ query points of one batch-head. Its products have one row per
+(query iq, outer row r, query element g), NR = BQ BR BG rows (BR = T rows r in the sum
+form, 1 in the single form), and one column per (halo point h, key element m): the tile's
+*halo* is the union of its queries' neighbours (``halo (NT, H)``: key points, each repeated
+as often as one query lists it), visited BH points at a time. ``slot (NT, BQ, H)`` says
+which neighbour j of query iq a halo point is (-1: none: outside its window, invalid, or
+padding) and ``row (NT, BQ, H)`` its row of rho (global layers; local ones read row j).
 
-The two softmaxes of the core are one softmax over (h, m) of the whole logit, for each query
-i, outer row r and query element g (beta_r pi_r = exp(x_r - LSE_r), the core's
-factorisation read backwards), so the kernel forms it directly, one row r at a time:
+The two softmaxes of the core are one softmax over (h, m) of the whole logit for each row
+(i, r, g) (beta_r pi_r = exp(x_r - LSE_r), the core's factorisation read backwards), which
+the kernel runs as FlashAttention does, online over the halo:
 
-  x[i, r, g, h, m] = S[i, g, h, m] + gl[i, r, g, m] + sp[i, r, g, h]     (-inf off the slots)
-  S  = q . k                      Q (BQ G, d) @ K^T (d, BH M)            (``tl.dot``, per block)
-  gl = q[:, :, d-c:] . grho[r, g, m]     (GL_V: per block and row; else row 0, once a program)
-  sp = q[:, :, :e] . rho[r, row]          (single form: rho at row g, one row r)
-  W  = exp(x - LSE),  LSE[i, r, g] = logsumexp_(h, m) x
-  P[i, r, h, m] = sum_g W keep                 (single form: P[i, g, h, m] = W keep)
-  out[(i, r), c] += P[(i, r), (h, m)] val      P (BQ R, BH M) @ Val (BH M, d)  (``tl.dot``)
+  x[(i, r, g), (h, m)] = S + gl[i, r, g, m] + sp[i, r, g, h]     (-inf off the slots)
+  S   = Q K^T            (NR, d) @ (d, BH M): q[i, g] on every row r      (``tl.dot``)
+  gl  = q[i, g, d-c:] . grho[r, g, m]       (row 0 of grho when the group term does not see v)
+  sp  = q[i, g, :e] . rho[r, row]           (single form: rho at row g)
+  O   = sum_(h, m) exp(x - LSE) keep val    (NR, BH M) @ (BH M, d)                (``tl.dot``)
+  out[i, r] = sum_g O[(i, r, g)]            (single form: out[i, g] = O[(i, 0, g)])
 
-with R = T rows r (T = V with a spatial term or a group term that depends on v, else 1) in
-the sum form, R = G in the single form (g = v, T = 1). Dropout's keep mask is that of pi.
+T = V rows r with a spatial term or a group term that depends on v, else 1; the single
+form (g = v) has one. The keys, values and dropout's keep mask of a block serve every row;
+the sums that link rows (over g and r) and columns (over h, m) happen inside the matrix
+products or once a tile, not per block across lanes. Dropout's keep mask is that of pi,
+drawn once per call by :func:`keep_bits` (the mask of common.keep_mask, one bit per m).
 
-  forward   1. LSE, online over the halo, written as lse (Z, L, T, G) for the backward
-            2. out
-  backward  with dP = GO Val^T and X = keep dP (broadcast over g; single form: rows g):
-            1. A[i, r, g] = sum_(h, m) W X
-            2. dx = W (X - A): dS = sum_r dx, dgl = sum_h dx (and over r unless GL_V),
-               dsp = sum_m dx; dVal = P^T GO, dq = dS K (+ the spatial and group terms'
-               parts), dK = dS^T Q; d grho from dgl summed over the tile; drho from dsp.
+  forward   O and LSE (Z, L, T, G), one tile a program
+  backward  with W = exp(x - LSE), GO[(i, r, g)] = dL/dout[i, r] (single: [i, g]),
+            dP = keep GO Val^T, per tile:
+            1. A = GO . sum_(h, m) W keep val                (W keep @ Val, then per row)
+            2. dx = W (dP - A): dq = sum_r dx K, dK = dx^T Q, dVal = (W keep)^T GO,
+               d gl = sum_h dx, d sp = sum_m dx: d grho and dq's group part from d gl,
+               drho and dq's spatial part from d sp.
 
-dK and dVal are added to dk, dv once per (program, block) (atomic adds of the block's sum);
-d grho is summed per program into its own row of ``dgrho (programs, Vg, G, M, c)``, which the
-caller reduces, so it is deterministic; drho is added per (query, halo point) entry, into
-copy pid mod COPIES of it (the caller sums the copies). On a GPU the atomic adds make dk, dv
-and drho vary at round-off level from run to run. Accumulation is in the inputs' dtype
-(float32 products on tensor cores at float32 accuracy, ``tf32x3``; float64 on its own units).
+A backward program takes tiles pid, pid + programs, ...: dK and dVal are added to dk, dv once
+per (tile, block) (atomic adds of the block's sum), d grho is summed per program into its
+own row of ``dgrho (programs, Vg, G, M, c)``, which the caller reduces in a fixed order, and
+drho is added into copy pid mod COPIES of it (the caller sums the copies). On a GPU the
+atomic adds make dk, dv and drho vary at round-off level from run to run. Accumulation is in
+the inputs' dtype (float32 products on tensor cores at float32 accuracy, ``tf32x3``; float64
+on its own units).
 """
 
 from __future__ import annotations
@@ -45,67 +49,123 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _keep(zl, slot, J, M, G, s0, s1, threshold, BG: tl.constexpr, BM: tl.constexpr):
-    """The dropout keep mask ``(BQ, BG, BH, BM)`` of queries ``zl`` = z L + i ``(BQ,)`` at
-    neighbours ``slot`` ``(BQ, BH)``, as common.keep_mask: the flat index into (Z, L, J, M, G),
-    its low word xor s0 mixed by the "lowbias32" hash, xor s1 and the high word, mixed again;
-    kept if 15 bits >= threshold."""
-    g = tl.arange(0, BG)[None, :, None, None]
-    m = tl.arange(0, BM)[None, None, None, :]
-    jj = slot.to(tl.int64)[:, None, :, None]
-    flat = ((zl[:, None, None, None] * J + jj) * M + m) * G + g
-    x = (flat & 0xFFFFFFFF).to(tl.uint32) ^ s0
-    for step in tl.static_range(2):
-        if step == 1:
-            x = x ^ s1 ^ (flat >> 32).to(tl.uint32)
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        x = x ^ (x >> 16)
-    return (x & 0x7FFF) >= threshold
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _tile(q_ptr, z, t, L, G, d, c, e, BQ: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-          BC: tl.constexpr, BE: tl.constexpr):  # fmt: skip
-    """The tile's queries: z L + i ``(BQ,)``, whether i < L, q ``(BQ G, BD)``, its last c
-    channels ``(BQ, BG, BC)`` and its first e ``(BQ, BG, BE)``."""
-    iq = tl.arange(0, BQ)
-    i = t * BQ + iq
-    q_ok = i < L
-    zl = z * L + i.to(tl.int64)
+def _split(x, PRECISION: tl.constexpr):
+    """x as hi + lo for :func:`_dot`: hi its top 19 bits (a TF32 number), lo the rest, exact;
+    float64 (``ieee``): x itself."""
+    if PRECISION == "ieee":
+        hi = x
+        lo = x
+    else:
+        hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        lo = x - hi
+    return hi, lo
+
+
+@triton.jit
+def _dot(a_hi, a_lo, b_hi, b_lo, PRECISION: tl.constexpr):
+    """a b from the operands' :func:`_split`: in float32 three TF32 tensor-core products,
+    hi hi + hi lo + lo hi (lo lo is below float32's rounding), each operand split once for all
+    the products it enters; float64 one exact product."""
+    if PRECISION == "ieee":  # on CUDA cores: Triton's float64 tensor-core products take K <= 4
+        out = tl.sum(a_hi[:, :, None] * b_hi[None, :, :], axis=1)
+    else:
+        out = tl.dot(a_lo, b_hi, input_precision="tf32", out_dtype=tl.float32)
+        out = tl.dot(a_hi, b_lo, out, input_precision="tf32", out_dtype=tl.float32)
+        out = tl.dot(a_hi, b_hi, out, input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+# The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["s0", "s1", "threshold"])
+def keep_bits(bits_ptr, J, M, G, s0, s1, threshold, BJ: tl.constexpr, BM: tl.constexpr,
+              BG: tl.constexpr):  # fmt: skip
+    """Dropout's keep mask of query zl = program id, ``bits (Z L, G, J)``: bit m of [zl, g, j]
+    set where entry (zl, j, m, g) is kept, as common.keep_mask: the flat index into (Z, L, J,
+    M, G), its low word xor s0 mixed by the "lowbias32" hash, xor s1 and the high word, mixed
+    again; kept if 15 bits >= threshold."""
+    zl = tl.program_id(0).to(tl.int64)
+    s0 = s0.to(tl.uint32)
+    s1 = s1.to(tl.uint32)
     g = tl.arange(0, BG)[None, :, None]
-    base = q_ptr + (zl[:, None, None] * G + g) * d
-    row_ok = q_ok[:, None, None] & (g < G)
-    ch = tl.arange(0, BD)[None, None, :]
-    q = tl.load(base + ch, mask=row_ok & (ch < d), other=0.0)
-    cc = tl.arange(0, BC)[None, None, :]
-    qt = tl.load(base + d - c + cc, mask=row_ok & (cc < c), other=0.0)
-    ce = tl.arange(0, BE)[None, None, :]
-    qe = tl.load(base + ce, mask=row_ok & (ce < e), other=0.0)
-    return zl, q_ok, tl.reshape(q, (BQ * BG, BD)), qt, qe
+    m = tl.arange(0, BM)[None, None, :]
+    for j0 in range(0, J, BJ):
+        j = j0 + tl.arange(0, BJ)[:, None, None]
+        flat = ((zl * J + j) * M + m) * G + g  # (BJ, BG, BM)
+        x = (flat & 0xFFFFFFFF).to(tl.uint32) ^ s0
+        for step in tl.static_range(2):
+            if step == 1:
+                x = x ^ s1 ^ (flat >> 32).to(tl.uint32)
+            x = x ^ (x >> 16)
+            x = x * 0x7FEB352D
+            x = x ^ (x >> 15)
+            x = x * 0x846CA68B
+            x = x ^ (x >> 16)
+        kept = ((x & 0x7FFF) >= threshold) & (m < M)
+        bits = tl.sum(tl.where(kept, 1 << m, 0), axis=2)  # (BJ, BG)
+        jj = j0 + tl.arange(0, BJ)[:, None]
+        gg = tl.arange(0, BG)[None, :]
+        tl.store(bits_ptr + (zl * G + gg) * J + jj, bits.to(bits_ptr.dtype.element_ty),
+                 mask=(jj < J) & (gg < G))  # fmt: skip
 
 
 @triton.jit
-def _block(h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d,
-           HAS_OFFSETS: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-           BD: tl.constexpr):  # fmt: skip
-    """Halo points h0 .. h0 + BH of tile t: the rows of k and v at their elements
-    ``(BH, BM)`` and which exist, the neighbour slot of each (query, point) ``(BQ, BH)``
-    (-1: none), whether it counts, where its spatial term reads rho, and the keys
+def _rows(t, L, T, G, BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
+    """The rows of tile t ``(NR,)``: query iq, outer row r, element g, the query point i and
+    whether the row counts."""
+    row = tl.arange(0, BQ * BR * BG)
+    iq = row // (BR * BG)
+    r = (row // BG) % BR
+    g = row % BG
+    i = t * BQ + iq
+    return iq, r, g, i, (i < L) & (r < T) & (g < G)
+
+
+@triton.jit
+def _queries(q_ptr, zl, g, live, G, d, c, e, BD: tl.constexpr, BC: tl.constexpr,
+             BE: tl.constexpr):  # fmt: skip
+    """q[i, g] of each row ``(NR, BD)``, its last c channels ``(NR, BC)`` and its first e
+    ``(NR, BE)``."""
+    base = q_ptr + (zl * G + g)[:, None] * d
+    ch = tl.arange(0, BD)[None, :]
+    q = tl.load(base + ch, mask=live[:, None] & (ch < d), other=0.0)
+    cc = tl.arange(0, BC)[None, :]
+    qt = tl.load(base + d - c + cc, mask=live[:, None] & (cc < c), other=0.0)
+    ce = tl.arange(0, BE)[None, :]
+    qe = tl.load(base + ce, mask=live[:, None] & (ce < e), other=0.0)
+    return q, qt, qe
+
+
+@triton.jit
+def _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM: tl.constexpr, BC: tl.constexpr):
+    """gl[row, m] = qt[row] . grho[gr, g, m] ``(NR, BM)`` and the encoding's rows ``(NR, BM,
+    BC)``, for each row's encoding row gr and element g."""
+    m = tl.arange(0, BM)[None, :, None]
+    cc = tl.arange(0, BC)[None, None, :]
+    at = ((gr * G + g)[:, None, None] * M + m) * c + cc
+    enc = tl.load(grho_ptr + at, mask=live[:, None, None] & (m < M) & (cc < c), other=0.0)
+    return tl.sum(qt[:, None, :] * enc, axis=2), enc
+
+
+@triton.jit
+def _block(h0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, M, d, HAS_OFFSETS: tl.constexpr,
+           BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Halo points h0 .. h0 + BH of the tile whose queries are ``tq`` ``(NR,)``: the rows of k
+    and v at their elements ``(BH, BM)`` and which exist, each row's neighbour slot ``(NR,
+    BH)`` (-1: none), whether it counts, where its spatial term reads rho, and the keys
     ``(BH BM, BD)``."""
     h = h0 + tl.arange(0, BH)
-    iq = tl.arange(0, BQ)
-    point = tl.load(halo_ptr + t * H + h)  # (BH,), -1: padding
+    point = tl.load(halo_ptr + h)  # (BH,), -1: padding
     m = tl.arange(0, BM)
-    rows = point.to(tl.int64)[:, None] * M + m[None, :]  # (BH, BM)
+    rows = point[:, None] * M + m[None, :]  # (BH, BM)
     exists = (point >= 0)[:, None] & (m < M)[None, :]
-    at = (t * BQ + iq[:, None]) * H + h[None, :]  # (BQ, BH)
+    at = tq[:, None] * H + h[None, :]  # (NR, BH)
     slot = tl.load(slot_ptr + at)
-    counts = (slot >= 0) & q_ok[:, None]
+    counts = (slot >= 0) & live[:, None]
     if HAS_OFFSETS:
         where = tl.load(row_ptr + at, mask=counts, other=0)
     else:
@@ -124,366 +184,317 @@ def _values(vz, rows, exists, d, BH: tl.constexpr, BM: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def _product(a, b, PRECISION: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
-             S2: tl.constexpr, S3: tl.constexpr):  # fmt: skip
-    """a b^T ``(S0 S1, S2 S3)`` for a ``(S0 S1, K)`` and b ``(S2 S3, K)``, as ``(S0, S1, S2,
-    S3)``. The longer operand is the product's first: the warps split its rows, where a short
-    first one (16 rows) leaves them all computing the same rows."""
-    if S0 * S1 < S2 * S3:
-        product = tl.trans(tl.dot(b, tl.trans(a), input_precision=PRECISION, out_dtype=a.dtype))
-    else:
-        product = tl.dot(a, tl.trans(b), input_precision=PRECISION, out_dtype=a.dtype)
-    return tl.reshape(product, (S0, S1, S2, S3))
+def _keep(bits_ptr, zl, g, slot, counts, G, J, BM: tl.constexpr):
+    """Each row's keep mask at the block's slots ``(NR, BH, BM)`` from :func:`keep_bits`."""
+    bits = tl.load(bits_ptr + (zl * G + g)[:, None] * J + slot, mask=counts, other=0)
+    m = tl.arange(0, BM)[None, None, :]
+    return ((bits.to(tl.int32)[:, :, None] >> m) & 1) != 0
 
 
 @triton.jit
-def _group_logits(qt, grho_ptr, r, G, M, c, BG: tl.constexpr, BM: tl.constexpr,
-                  BC: tl.constexpr):  # fmt: skip
-    """gl_r[i, g, m] = qt[i, g, :] . grho[r, g, m, :] ``(BQ, BG, BM)`` from the queries' last
-    c channels qt ``(BQ, BG, BC)``."""
-    g = tl.arange(0, BG)[:, None, None]
-    m = tl.arange(0, BM)[None, :, None]
-    cc = tl.arange(0, BC)[None, None, :]
-    enc = tl.load(grho_ptr + ((r * G + g) * M + m) * c + cc,
-                  mask=(g < G) & (m < M) & (cc < c), other=0.0)  # (BG, BM, BC)  # fmt: skip
-    return tl.sum(qt[:, :, None, :] * enc[None, :, :, :], axis=3)
-
-
-@triton.jit
-def _spatial(qe, rho_ptr, r, where, counts, D, e, G, SINGLE: tl.constexpr, BG: tl.constexpr,
-             BE: tl.constexpr):  # fmt: skip
-    """rho at table row r (single form: row g) and offsets ``where`` ``(BQ, BH)``:
-    ``(BQ, BH, BE)`` (single: ``(BQ, BG, BH, BE)``), 0 off the slots; and the spatial logits
-    sp_r[i, g, h] = qe[i, g, :] . rho ``(BQ, BG, BH)`` from the queries' first e channels qe
-    ``(BQ, BG, BE)``."""
-    ch = tl.arange(0, BE)[None, None, :]
+def _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L, T, D, e,
+             HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, BQ: tl.constexpr,
+             BR: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+    """rho at the block's offsets, the places it was read from and which count, and the
+    spatial logits qe . rho ``(NR, BH)``. The single form reads a table row per row (rho at
+    row g, ``(NR, BH, BE)``); the sum form one per query and row r, shared by the rows' g
+    (``(BQ BR, BH, BE)``)."""
+    ce = tl.arange(0, BE)[None, None, :]
     if SINGLE:
-        g = tl.arange(0, BG)[None, :, None, None]
-        at = (g * D + where[:, None, :, None]) * e + ch[:, None, :, :]
-        ok = counts[:, None, :, None] & (g < G) & (ch[:, None, :, :] < e)
-        table = tl.load(rho_ptr + at, mask=ok, other=0.0)  # (BQ, BG, BH, BE)
-        s = tl.sum(qe[:, :, None, :] * table, axis=3)
+        at = (rv[:, None, None] * D + where[:, :, None]) * e + ce
+        ok = counts[:, :, None] & (ce < e)
+        table = tl.load(rho_ptr + at, mask=ok, other=0.0)
+        sp = tl.sum(qe[:, None, :] * table, axis=2)
     else:
-        at = (r * D + where[:, :, None]) * e + ch
-        table = tl.load(rho_ptr + at, mask=counts[:, :, None] & (ch < e), other=0.0)
-        s = tl.sum(qe[:, :, None, :] * table[:, None, :, :], axis=3)
-    return table, s
+        qr = tl.arange(0, BQ * BR)
+        i = t * BQ + qr // BR
+        r = qr % BR
+        place = i[:, None] * H + (h0 + tl.arange(0, BH))[None, :]
+        slot = tl.load(slot_ptr + place)
+        counts = (slot >= 0) & ((i < L) & (r < T))[:, None]
+        if HAS_OFFSETS:
+            where = tl.load(row_ptr + place, mask=counts, other=0)
+        else:
+            where = slot
+        at = (r[:, None, None] * D + where[:, :, None]) * e + ce
+        ok = counts[:, :, None] & (ce < e)
+        table = tl.load(rho_ptr + at, mask=ok, other=0.0)  # (BQ BR, BH, BE)
+        qe = tl.reshape(qe, (BQ * BR, BG, BE))
+        sp = tl.reshape(tl.sum(qe[:, :, None, :] * table[:, None, :, :], axis=3),
+                        (BQ * BR * BG, BH))  # fmt: skip
+    return table, at, ok, sp
 
 
 @triton.jit
-def _row3(x, r, BR: tl.constexpr):
-    """Row r of x ``(BQ, BR, B)`` along its second axis: ``(BQ, B)``."""
-    rr = tl.arange(0, BR)[None, :, None]
-    return tl.sum(tl.where(rr == r, x, 0.0), axis=1)
-
-
-@triton.jit
-def _row4(x, r, BR: tl.constexpr):
-    """Row r of x ``(BQ, BR, A, B)`` along its second axis: ``(BQ, A, B)``."""
-    rr = tl.arange(0, BR)[None, :, None, None]
-    return tl.sum(tl.where(rr == r, x, 0.0), axis=1)
-
-
-@triton.jit
-def _scores(
-    h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, M, G, d, HAS_OFFSETS: tl.constexpr,
-    PRECISION: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr,
-    BM: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    """A halo block (:func:`_block`) and its dot products S ``(BQ, BG, BH, BM)``, -inf off the
-    slots and past the sizes."""
+def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, rho_ptr,
+            rv, L, T, M, d, D, e, HAS_OFFSETS: tl.constexpr, HAS_RHO: tl.constexpr,
+            SINGLE: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr,
+            BG: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+            BE: tl.constexpr):  # fmt: skip
+    """A halo block (:func:`_block`, its keys split by :func:`_split`), its spatial table
+    (:func:`_spatial`; stand-ins without a spatial term) and the logits in base 2, log2(e) x
+    ``(NR, BH BM)``: ``bias`` ``(NR, BM)`` holds log2(e) gl and -inf past M, ``qe`` the
+    queries' first e channels times log2(e), q ``(hi, lo)``; -inf off the slots."""
     rows, exists, slot, counts, where, keys = _block(
-        h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, M, d, HAS_OFFSETS, BQ, BH, BM, BD
+        h0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, M, d, HAS_OFFSETS, BH, BM, BD
     )
-    s = _product(q2, keys, PRECISION, BQ, BG, BH, BM)
-    g = tl.arange(0, BG)[None, :, None, None]
-    m = tl.arange(0, BM)[None, None, None, :]
-    ok = counts[:, None, :, None] & (g < G) & (m < M)
-    return rows, exists, slot, counts, where, keys, tl.where(ok, s, float("-inf"))
-
-
-@triton.jit
-def _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, r, where, counts, G, M, c, D, e,
-                HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
-                SINGLE: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                BE: tl.constexpr):  # fmt: skip
-    """Row r's logits x_r = S + gl_r + sp_r ``(BQ, BG, BH, BM)`` (``gl0``: the group logits
-    when they do not depend on r), and rho at the row (:func:`_spatial`; a stand-in without a
-    spatial term)."""
-    x = s
-    if GL_V:
-        x += _group_logits(qt, grho_ptr, r, G, M, c, BG, BM, BC)[:, :, None, :]
-    elif HAS_GL:
-        x += gl0[:, :, None, :]
+    k_hi, k_lo = _split(keys, PRECISION)
+    s = _dot(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), PRECISION)
     table = where
+    at = where
+    ok = counts
     if HAS_RHO:
-        table, sp = _spatial(qe, rho_ptr, r, where, counts, D, e, G, SINGLE, BG, BE)
-        x += sp[:, :, :, None]
-    return table, x
-
-
-@triton.jit
-def _kept(x, keep, DROP: tl.constexpr):
-    """x where the keep mask keeps it, else 0 (x without dropout)."""
-    if DROP:
-        x = tl.where(keep, x, 0.0)
-    return x
-
-
-@triton.jit
-def _dp_row(dp, r, SINGLE: tl.constexpr, BR: tl.constexpr):
-    """dP = GO Val^T at row r, broadcast over g ``(BQ, 1, BH, BM)``; single form: dP itself,
-    whose rows are g."""
-    if SINGLE:
-        return dp
+        table, at, ok, sp = _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts,
+                                     L, T, D, e, HAS_OFFSETS, SINGLE, BQ, BR, BG, BH,
+                                     BE)  # fmt: skip
+        column = tl.where(counts, sp, float("-inf"))
     else:
-        return _row4(dp, r, BR)[:, None, :, :]
+        column = tl.where(counts, 0.0, float("-inf")).to(s.dtype)
+    x = tl.reshape(s, (BQ * BR * BG, BH, BM)) * LOG2E + bias[:, None, :] + column[:, :, None]
+    return (
+        rows,
+        exists,
+        slot,
+        counts,
+        k_hi,
+        k_lo,
+        table,
+        at,
+        ok,
+        tl.reshape(x, (BQ * BR * BG, BH * BM)),
+    )
 
 
 @triton.jit
-def _mix(s, gl0, qt, grho_ptr, qe, rho_ptr, lse, keep, where, counts, G, M, c, D, e, T,
-         HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
-         SINGLE: tl.constexpr, DROP: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr,
-         BH: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr,
-         BT: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-    """P ``(BQ, BR, BH, BM)`` of a block: sum_g W_r keep in row r (single form: W keep, rows
-    g) from its dot products ``s`` and the log-sum-exp ``lse`` ``(BQ, BT, BG)``."""
+def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
+               GL_V: tl.constexpr, SINGLE: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr,
+               BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+               BE: tl.constexpr):  # fmt: skip
+    """Tile t's rows (:func:`_rows`): zl = z L + i, the halo row of each, which count, r, g,
+    each row's row of rho (r; single form: g), q ``(NR, BD)``, its last c and first e channels,
+    the group encoding at each row ``(NR, BM, BC)`` and the logits' row bias ``(NR, BM)``:
+    log2(e) gl, -inf past M."""
+    iq, r, g, i, live = _rows(t, L, T, G, BQ, BR, BG)
+    zl = z * L + i.to(tl.int64)
+    q, qt, qe = _queries(q_ptr, zl, g, live, G, d, c, e, BD, BC, BE)
+    gr = r * 0  # each row's row of the group encoding
+    if GL_V:
+        gr = r
+    rv = r
     if SINGLE:
-        _rho, x = _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, 0, where, counts, G, M, c, D, e,
-                           HAS_GL, GL_V, HAS_RHO, SINGLE, BG, BM, BC, BE)  # fmt: skip
-        return _kept(tl.exp(x - _row3(lse, 0, BT)[:, :, None, None]), keep, DROP)
-    mixed = tl.full((BQ, BR, BH, BM), 0.0, s.dtype)
-    rr = tl.arange(0, BR)[None, :, None, None]
-    for r in range(T):
-        _rho, x = _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, r, where, counts, G, M, c, D, e,
-                           HAS_GL, GL_V, HAS_RHO, SINGLE, BG, BM, BC, BE)  # fmt: skip
-        w = _kept(tl.exp(x - _row3(lse, r, BT)[:, :, None, None]), keep, DROP)
-        mixed = tl.where(rr == r, tl.sum(w, axis=1)[:, None, :, :], mixed)
-    return mixed
+        rv = g
+    m = tl.arange(0, BM)[None, :]
+    bias = tl.zeros((BQ * BR * BG, BM), q.dtype)
+    enc = tl.zeros((BQ * BR * BG, BM, BC), q.dtype)
+    if HAS_GL:
+        gl, enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
+        bias = gl * LOG2E
+    bias = tl.where(m < M, bias, float("-inf"))
+    return zl, t * BQ + iq, live, r, g, rv, q, qt, qe, enc, bias
 
 
-# The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["s0", "s1", "threshold"])
+@triton.jit
 def attention_forward(
-    out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, halo_ptr, slot_ptr, row_ptr,
-    L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, s0, s1, threshold,
+    out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr,
+    row_ptr, L, Lkv, NT, H, J, M, G, d, c, e, D, V, T,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
-    BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out ``(Z, L, V, d)`` and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries
-    per program (grid: Z NT)."""
+    a program (grid: Z NT); ``bits`` from :func:`keep_bits` where DROP."""
+    NR: tl.constexpr = BQ * BR * BG
     pid = tl.program_id(0).to(tl.int64)
     z = pid // NT
     t = pid % NT
-    zl, q_ok, q2, qt, qe = _tile(q_ptr, z, t, L, G, d, c, e, BQ, BG, BD, BC, BE)
+    zl, tq, live, r, g, rv, q, _qt, qe, _enc, bias = _tile_rows(
+        q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM, BD,
+        BC, BE,
+    )  # fmt: skip
+    qe2 = qe * LOG2E
+    q_hi, q_lo = _split(q, PRECISION)
     kz = k_ptr + z * Lkv * M * d
     vz = v_ptr + z * Lkv * M * d
-    s0 = s0.to(tl.uint32)
-    s1 = s1.to(tl.uint32)
-    dtype = q2.dtype
-    gl0 = qt  # the group logits when they do not depend on r (a stand-in otherwise)
-    if HAS_GL and not GL_V:
-        gl0 = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-    rr = tl.arange(0, BT)[None, :, None]
-    g = tl.arange(0, BG)[None, None, :]
+    halo = halo_ptr + t * H
+    dtype = q.dtype
 
-    # 1. LSE, online over the halo
-    top = tl.full((BQ, BT, BG), float("-inf"), dtype)
-    total = tl.full((BQ, BT, BG), 0.0, dtype)
+    top = tl.full((NR,), float("-inf"), dtype)  # in base 2, as the logits
+    total = tl.zeros((NR,), dtype)
+    acc = tl.zeros((NR, BD), dtype)
     for h0 in range(0, H, BH):
-        _, _, _, counts, where, _, s = _scores(h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz,
-                                               q2, M, G, d, HAS_OFFSETS, PRECISION, BQ, BH, BG,
-                                               BM, BD)  # fmt: skip
-        for r in range(T):
-            _rho, x = _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, r, where, counts, G, M, c, D,
-                               e, HAS_GL, GL_V, HAS_RHO, SINGLE, BG, BM, BC, BE)  # fmt: skip
-            new = tl.maximum(_row3(top, r, BT), tl.max(tl.max(x, axis=3), axis=2))  # (BQ, BG)
-            safe = tl.where(new == float("-inf"), 0.0, new)
-            add = tl.sum(tl.sum(tl.exp(x - safe[:, :, None, None]), axis=3), axis=2)
-            grown = _row3(total, r, BT) * tl.exp(_row3(top, r, BT) - safe) + add
-            top = tl.where(rr == r, new[:, None, :], top)
-            total = tl.where(rr == r, grown[:, None, :], total)
-    # 0 for a query with no neighbour (the padding): its weights are 0 anyway
-    lse = tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
-    tl.store(lse_ptr + (zl[:, None, None] * T + rr) * G + g, lse,
-             mask=q_ok[:, None, None] & (rr < T) & (g < G))  # fmt: skip
-
-    # 2. out = P Val
-    acc = tl.full((BQ * BR, BD), 0.0, dtype)
-    for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, _, s = _scores(h0, t, H, halo_ptr, slot_ptr, row_ptr,
-                                                          q_ok, kz, q2, M, G, d, HAS_OFFSETS,
-                                                          PRECISION, BQ, BH, BG, BM,
-                                                          BD)  # fmt: skip
-        keep = slot  # a stand-in where nothing is dropped
+        rows, exists, slot, counts, _kh, _kl, _t, _a, _o, x = _logits(
+            h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv, L,
+            T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD, BE,
+        )  # fmt: skip
+        new = tl.maximum(top, tl.max(x, axis=1))
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        p = tl.math.exp2(x - safe[:, None])
+        scale = tl.math.exp2(top - safe)
+        total = total * scale + tl.sum(p, axis=1)
         if DROP:
-            keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        mixed = _mix(s, gl0, qt, grho_ptr, qe, rho_ptr, lse, keep, where, counts, G, M, c, D, e,
-                     T, HAS_GL, GL_V, HAS_RHO, SINGLE, DROP, BQ, BG, BH, BM, BC, BE, BT,
-                     BR)  # fmt: skip
-        vals = _values(vz, rows, exists, d, BH, BM, BD)
-        acc += tl.dot(tl.reshape(mixed, (BQ * BR, BH * BM)), vals, input_precision=PRECISION,
-                      out_dtype=dtype)  # fmt: skip
-    out = tl.reshape(acc, (BQ, BR, BD))
-    ch = tl.arange(0, BD)[None, None, :]
-    ok = q_ok[:, None, None] & (ch < d)
-    if BR == 1:  # sum form without a spatial or v-dependent term: every v has the same row
-        vv = tl.arange(0, BV)[None, :, None]
-        tl.store(out_ptr + (zl[:, None, None] * V + vv) * d + ch,
-                 tl.broadcast_to(out, (BQ, BV, BD)), mask=ok & (vv < V))  # fmt: skip
+            keep = _keep(bits_ptr, zl, g, slot, counts, G, J, BM)
+            p = tl.where(tl.reshape(keep, (NR, BH * BM)), p, 0.0)
+        p_hi, p_lo = _split(p, PRECISION)
+        v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
+        acc = acc * scale[:, None] + _dot(p_hi, p_lo, v_hi, v_lo, PRECISION)
+        top = new
+    # 0 for a row with no neighbour (the padding): its weights are 0 anyway
+    some = total > 0
+    lse = tl.where(some, (top + tl.log2(tl.where(some, total, 1.0))) * LN2, 0.0)
+    tl.store(lse_ptr + (zl * T + r) * G + g, lse, mask=live)
+    o = acc / tl.where(some, total, 1.0)[:, None]  # (NR, BD)
+    ch = tl.arange(0, BD)[None, :]
+    if SINGLE:  # row (i, 0, g) is output g
+        tl.store(out_ptr + (zl * V + g)[:, None] * d + ch, o, mask=live[:, None] & (ch < d))
     else:
-        vv = tl.arange(0, BR)[None, :, None]
-        tl.store(out_ptr + (zl[:, None, None] * V + vv) * d + ch, out, mask=ok & (vv < V))
+        o = tl.sum(tl.reshape(o, (BQ * BR, BG, BD)), axis=1)  # rows (i, r)
+        io = tl.arange(0, BQ * BR) // BR
+        ro = tl.arange(0, BQ * BR) % BR
+        zo = z * L + (t * BQ + io).to(tl.int64)
+        ok = (t * BQ + io < L) & (ro < T)
+        if BR == 1:  # no term sees v: every v has this row
+            vv = tl.arange(0, BV)[None, :, None]
+            tl.store(out_ptr + (zo[:, None, None] * V + vv) * d + ch[:, None, :],
+                     tl.broadcast_to(o[:, None, :], (BQ, BV, BD)),
+                     mask=ok[:, None, None] & (vv < V) & (ch[:, None, :] < d))  # fmt: skip
+        else:
+            tl.store(out_ptr + (zo * V + ro)[:, None] * d + ch, o, mask=ok[:, None] & (ch < d))
 
 
-@triton.jit(do_not_specialize=["s0", "s1", "threshold"])
+@triton.jit
 def attention_backward(
     dq_ptr, dk_ptr, dv_ptr, dgrho_ptr, drho_ptr, go_ptr, lse_ptr,
-    q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, halo_ptr, slot_ptr, row_ptr,
-    L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, s0, s1, threshold, GO, COPIES,
+    q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr, row_ptr,
+    L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, GO, COPIES, TILES,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
-    BQ: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    BC: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
     ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
     (zeroed by the caller; program p adds to copy p mod COPIES); from go = dL/dout ``(Z, L,
     GO, d)`` (GO = 1 where every v has the same output row: their gradients summed) and the
-    forward's LSE ``(Z, L, T, G)``. Grid: Z NT."""
-    pid = tl.program_id(0).to(tl.int64)
+    forward's LSE ``(Z, L, T, G)``. Program p takes tiles p, p + programs, ... of the Z NT =
+    TILES."""
+    NR: tl.constexpr = BQ * BR * BG
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     drho_ptr += (pid % COPIES) * V * D * e
-    z = pid // NT
-    t = pid % NT
-    zl, q_ok, q2, qt, qe = _tile(q_ptr, z, t, L, G, d, c, e, BQ, BG, BD, BC, BE)
-    kz = k_ptr + z * Lkv * M * d
-    vz = v_ptr + z * Lkv * M * d
-    dkz = dk_ptr + z * Lkv * M * d
-    dvz = dv_ptr + z * Lkv * M * d
-    s0 = s0.to(tl.uint32)
-    s1 = s1.to(tl.uint32)
-    dtype = q2.dtype
-    gl0 = qt  # the group logits when they do not depend on r (a stand-in otherwise)
-    if HAS_GL and not GL_V:
-        gl0 = _group_logits(qt, grho_ptr, 0, G, M, c, BG, BM, BC)
-    rr = tl.arange(0, BT)[None, :, None]
-    g = tl.arange(0, BG)[None, None, :]
-    # padding rows get +inf: W = 0 there
-    lse = tl.load(lse_ptr + (zl[:, None, None] * T + rr) * G + g,
-                  mask=q_ok[:, None, None] & (rr < T) & (g < G), other=float("inf"))  # fmt: skip
-    ro = tl.arange(0, BR)[None, :, None]
-    ch = tl.arange(0, BD)[None, None, :]
-    go = tl.load(go_ptr + (zl[:, None, None] * GO + ro) * d + ch,
-                 mask=q_ok[:, None, None] & (ro < GO) & (ch < d), other=0.0)  # fmt: skip
-    go2 = tl.reshape(go, (BQ * BR, BD))
-
-    # 1. A_r = sum_(h, m) W_r X_r
-    big_a = tl.full((BQ, BT, BG), 0.0, dtype)
-    for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, _, s = _scores(h0, t, H, halo_ptr, slot_ptr, row_ptr,
-                                                          q_ok, kz, q2, M, G, d, HAS_OFFSETS,
-                                                          PRECISION, BQ, BH, BG, BM,
-                                                          BD)  # fmt: skip
-        keep = slot  # a stand-in where nothing is dropped
-        if DROP:
-            keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        vals = _values(vz, rows, exists, d, BH, BM, BD)
-        dp = _product(go2, vals, PRECISION, BQ, BR, BH, BM)
-        for r in range(T):
-            _rho, x = _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, r, where, counts, G, M, c, D,
-                               e, HAS_GL, GL_V, HAS_RHO, SINGLE, BG, BM, BC, BE)  # fmt: skip
-            w = tl.exp(x - _row3(lse, r, BT)[:, :, None, None])
-            a = tl.sum(tl.sum(w * _kept(_dp_row(dp, r, SINGLE, BR), keep, DROP), axis=3), axis=2)
-            big_a = tl.where(rr == r, big_a + a[:, None, :], big_a)
-
-    # 2. gradients
-    dq2 = tl.full((BQ * BG, BD), 0.0, dtype)
-    dqe = tl.full((BQ, BG, BE), 0.0, dtype)  # the spatial term's part of dq[:, :, :e]
-    dgl = tl.full((BQ, BT, BG, BM), 0.0, dtype)  # sum_h dx_r by row r (GL_V)
-    dgl0 = tl.full((BQ, BG, BM), 0.0, dtype)  # sum_(r, h) dx_r (not GL_V)
-    rt = tl.arange(0, BT)[None, :, None, None]
-    ro = tl.arange(0, BR)[None, :, None, None]
-    for h0 in range(0, H, BH):
-        rows, exists, slot, counts, where, keys, s = _scores(
-            h0, t, H, halo_ptr, slot_ptr, row_ptr, q_ok, kz, q2, M, G, d, HAS_OFFSETS, PRECISION,
-            BQ, BH, BG, BM, BD,
+    ch = tl.arange(0, BD)[None, :]
+    mm = tl.arange(0, BM)[None, :, None]
+    # this program's d grho, by row (r, g): (BR BG, BM, BC)
+    dgrho = tl.zeros((BR * BG, BM, BC), dtype=q_ptr.dtype.element_ty)
+    for tile in range(pid, TILES, programs):
+        z = tile // NT
+        t = tile % NT
+        zl, tq, live, r, g, rv, q, qt, qe, enc, bias = _tile_rows(
+            q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM,
+            BD, BC, BE,
         )  # fmt: skip
-        keep = slot
-        if DROP:
-            keep = _keep(zl, slot, J, M, G, s0, s1, threshold, BG, BM)
-        vals = _values(vz, rows, exists, d, BH, BM, BD)
-        dp = _product(go2, vals, PRECISION, BQ, BR, BH, BM)
-        mixed = tl.full((BQ, BR, BH, BM), 0.0, dtype)
-        ds = tl.full((BQ, BG, BH, BM), 0.0, dtype)  # sum_r dx_r
-        for r in range(T):
-            table, x = _row_logits(s, gl0, qt, grho_ptr, qe, rho_ptr, r, where, counts, G, M, c,
-                                   D, e, HAS_GL, GL_V, HAS_RHO, SINGLE, BG, BM, BC,
-                                   BE)  # fmt: skip
-            w = tl.exp(x - _row3(lse, r, BT)[:, :, None, None])
-            dx = w * (_kept(_dp_row(dp, r, SINGLE, BR), keep, DROP)
-                      - _row3(big_a, r, BT)[:, :, None, None])  # fmt: skip
-            ds += dx
-            if GL_V:
-                dgl = tl.where(rt == r, dgl + tl.sum(dx, axis=2)[:, None, :, :], dgl)
-            else:
-                dgl0 += tl.sum(dx, axis=2)
-            if SINGLE:
-                mixed = _kept(w, keep, DROP)
-            else:
-                mixed = tl.where(ro == r, tl.sum(_kept(w, keep, DROP), axis=1)[:, None, :, :],
-                                 mixed)  # fmt: skip
-            if HAS_RHO:  # drho[r, row] += sum_g dsp q[:, :e]; dq[:, :e] += sum_h dsp rho[r, row]
-                dsp = tl.sum(dx, axis=3)  # (BQ, BG, BH)
-                ce = tl.arange(0, BE)
-                if SINGLE:
-                    gg = tl.arange(0, BG)[None, :, None, None]
-                    at = (gg * D + where[:, None, :, None]) * e + ce[None, None, None, :]
-                    ok = counts[:, None, :, None] & (gg < G) & (ce < e)[None, None, None, :]
-                    tl.atomic_add(drho_ptr + at, dsp[:, :, :, None] * qe[:, :, None, :], mask=ok)
-                    dqe += tl.sum(dsp[:, :, :, None] * table, axis=2)
-                else:
-                    part = tl.sum(dsp[:, :, :, None] * qe[:, :, None, :], axis=1)  # (BQ, BH, BE)
-                    at = (r * D + where[:, :, None]) * e + ce[None, None, :]
-                    ok = counts[:, :, None] & (ce < e)[None, None, :]
-                    tl.atomic_add(drho_ptr + at, part, mask=ok)
-                    dqe += tl.sum(dsp[:, :, :, None] * table[:, None, :, :], axis=2)
-        # dVal = P^T GO, dq += dS K, dK = dS^T Q
-        dvals = tl.dot(tl.trans(tl.reshape(mixed, (BQ * BR, BH * BM))), go2,
-                       input_precision=PRECISION, out_dtype=dtype)  # fmt: skip
-        ds2 = tl.reshape(ds, (BQ * BG, BH * BM))
-        dq2 += tl.dot(ds2, keys, input_precision=PRECISION, out_dtype=dtype)
-        dkeys = tl.dot(tl.trans(ds2), q2, input_precision=PRECISION, out_dtype=dtype)
-        kv_at = rows[:, :, None] * d + ch
-        kv_ok = exists[:, :, None] & (ch < d)
-        tl.atomic_add(dvz + kv_at, tl.reshape(dvals, (BH, BM, BD)), mask=kv_ok)
-        tl.atomic_add(dkz + kv_at, tl.reshape(dkeys, (BH, BM, BD)), mask=kv_ok)
+        qe2 = qe * LOG2E
+        q_hi, q_lo = _split(q, PRECISION)
+        dtype = q.dtype
+        kz = k_ptr + z * Lkv * M * d
+        vz = v_ptr + z * Lkv * M * d
+        dkz = dk_ptr + z * Lkv * M * d
+        dvz = dv_ptr + z * Lkv * M * d
+        halo = halo_ptr + t * H
+        # in base 2; padding rows get +inf: W = 0 there
+        lse = tl.load(lse_ptr + (zl * T + r) * G + g, mask=live, other=float("inf")) * LOG2E
+        go = tl.load(go_ptr + (zl * GO + rv)[:, None] * d + ch, mask=live[:, None] & (ch < d),
+                     other=0.0)  # fmt: skip
+        go_hi, go_lo = _split(go, PRECISION)
 
-    # the group term: d grho[r, g, m] = sum_i dgl_r qt, dq[:, :, d-c:] += sum_(r, m) dgl_r grho
-    dq = tl.reshape(dq2, (BQ, BG, BD))
-    ce = tl.arange(0, BE)[None, None, :, None]
-    dq += tl.sum(dqe[:, :, :, None] * (ce == ch[:, :, None, :]), axis=2)
-    if HAS_GL:
-        gm = tl.arange(0, BG)[:, None, None]
-        mm = tl.arange(0, BM)[None, :, None]
-        cc = tl.arange(0, BC)[None, None, :]
-        enc_ok = (gm < G) & (mm < M) & (cc < c)
-        dqt = tl.full((BQ, BG, BC), 0.0, dtype)
-        for r in range(T if GL_V else 1):
-            dgl_r = dgl0
-            if GL_V:
-                dgl_r = _row4(dgl, r, BT)  # (BQ, BG, BM)
-            at = ((r * G + gm) * M + mm) * c + cc
-            enc = tl.load(grho_ptr + at, mask=enc_ok, other=0.0)  # (BG, BM, BC)
-            part = tl.sum(dgl_r[:, :, :, None] * qt[:, :, None, :], axis=0)  # (BG, BM, BC)
-            size = (T if GL_V else 1) * G * M * c
-            tl.store(dgrho_ptr + pid * size + at, part, mask=enc_ok)
-            dqt += tl.sum(dgl_r[:, :, :, None] * enc[None, :, :, :], axis=2)
-        cc4 = tl.arange(0, BC)[None, None, :, None]
-        dq += tl.sum(dqt[:, :, :, None] * (cc4 + d - c == ch[:, :, None, :]), axis=2)
-    gq = tl.arange(0, BG)[None, :, None]
-    tl.store(dq_ptr + (zl[:, None, None] * G + gq) * d + ch, dq,
-             mask=q_ok[:, None, None] & (gq < G) & (ch < d))  # fmt: skip
+        # 1. A = GO . sum_(h, m) W keep val
+        o = tl.zeros((NR, BD), dtype)
+        for h0 in range(0, H, BH):
+            rows, exists, slot, counts, _kh, _kl, _t, _a, _o, x = _logits(
+                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv,
+                L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD,
+                BE,
+            )  # fmt: skip
+            w = tl.math.exp2(x - lse[:, None])
+            if DROP:
+                keep = _keep(bits_ptr, zl, g, slot, counts, G, J, BM)
+                w = tl.where(tl.reshape(keep, (NR, BH * BM)), w, 0.0)
+            w_hi, w_lo = _split(w, PRECISION)
+            v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
+            o += _dot(w_hi, w_lo, v_hi, v_lo, PRECISION)
+        big_a = tl.sum(o * go, axis=1)
+
+        # 2. gradients
+        dq = tl.zeros((NR, BD), dtype)  # sum_h dx K, per row
+        dgl = tl.zeros((NR, BM), dtype)  # sum_h dx
+        dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho
+        for h0 in range(0, H, BH):
+            rows, exists, slot, counts, k_hi, k_lo, table, at, ok, x = _logits(
+                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv,
+                L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD,
+                BE,
+            )  # fmt: skip
+            w = tl.math.exp2(x - lse[:, None])
+            v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
+            dp = _dot(go_hi, go_lo, tl.trans(v_hi), tl.trans(v_lo), PRECISION)
+            wk = w
+            if DROP:
+                keep = tl.reshape(_keep(bits_ptr, zl, g, slot, counts, G, J, BM), (NR, BH * BM))
+                wk = tl.where(keep, w, 0.0)
+            dx = wk * dp - w * big_a[:, None]
+            dx_hi, dx_lo = _split(dx, PRECISION)
+            wk_hi, wk_lo = _split(wk, PRECISION)
+            dq += _dot(dx_hi, dx_lo, k_hi, k_lo, PRECISION)
+            dkeys = _dot(tl.trans(dx_hi), tl.trans(dx_lo), q_hi, q_lo, PRECISION)
+            dvals = _dot(tl.trans(wk_hi), tl.trans(wk_lo), go_hi, go_lo, PRECISION)
+            chk = tl.arange(0, BD)[None, None, :]
+            kv_at = rows[:, :, None] * d + chk
+            kv_ok = exists[:, :, None] & (chk < d)
+            tl.atomic_add(dvz + kv_at, tl.reshape(dvals, (BH, BM, BD)), mask=kv_ok)
+            tl.atomic_add(dkz + kv_at, tl.reshape(dkeys, (BH, BM, BD)), mask=kv_ok)
+            dx = tl.reshape(dx, (NR, BH, BM))
+            dgl += tl.sum(dx, axis=1)
+            if HAS_RHO:  # drho[rv, row] += sum_g dsp q[:, :e]; dq[:, :e] += sum_h dsp rho
+                dsp = tl.sum(dx, axis=2)  # (NR, BH)
+                if SINGLE:
+                    tl.atomic_add(drho_ptr + at, dsp[:, :, None] * qe[:, None, :], mask=ok)
+                    dqe += tl.sum(dsp[:, :, None] * table, axis=1)
+                else:  # the rows (i, r, g) of one (i, r) share their table row: sum over g
+                    dsp = tl.reshape(dsp, (BQ * BR, BG, BH))
+                    qe3 = tl.reshape(qe, (BQ * BR, BG, BE))
+                    tl.atomic_add(drho_ptr + at,
+                                  tl.sum(dsp[:, :, :, None] * qe3[:, :, None, :], axis=1),
+                                  mask=ok)  # fmt: skip
+                    dqe += tl.reshape(tl.sum(dsp[:, :, :, None] * table[:, None, :, :], axis=2),
+                                      (NR, BE))  # fmt: skip
+
+        # the group term: d grho[gr, g, m] += sum_i dgl qt; dq[:, d-c:] += sum_m dgl grho
+        dgrho += tl.sum(tl.reshape(dgl[:, :, None] * qt[:, None, :], (BQ, BR * BG, BM, BC)),
+                        axis=0)  # fmt: skip
+        dqt = tl.sum(dgl[:, :, None] * enc, axis=1)  # (NR, BC)
+        # dq of each row: the content part, the spatial part on the first e channels, the
+        # group part on the last c; then summed over r
+        ce = tl.arange(0, BE)[None, :, None]
+        dq += tl.sum(dqe[:, :, None] * (ce == ch[:, None, :]), axis=1)
+        cc = tl.arange(0, BC)[None, :, None]
+        dq += tl.sum(dqt[:, :, None] * (cc + d - c == ch[:, None, :]), axis=1)
+        dq = tl.sum(tl.reshape(dq, (BQ, BR, BG, BD)), axis=1)  # (BQ, BG, BD)
+        i3 = t * BQ + tl.arange(0, BQ)[:, None, None]
+        g3 = tl.arange(0, BG)[None, :, None]
+        tl.store(dq_ptr + ((z * L + i3.to(tl.int64)) * G + g3) * d + ch[:, None, :], dq,
+                 mask=(i3 < L) & (g3 < G) & (ch[:, None, :] < d))  # fmt: skip
+
+    if HAS_GL:  # this program's part, rows (r, g); without v every r adds to row 0
+        rg = tl.arange(0, BR * BG)[:, None, None]
+        cg = tl.arange(0, BC)[None, None, :]
+        if GL_V:
+            at = (((rg // BG) * G + rg % BG) * M + mm) * c + cg
+            ok = (rg // BG < T) & (rg % BG < G) & (mm < M) & (cg < c)
+            tl.store(dgrho_ptr + pid.to(tl.int64) * (T * G * M * c) + at, dgrho, mask=ok)
+        else:
+            part = tl.sum(tl.reshape(dgrho, (BR, BG, BM, BC)), axis=0)
+            g3 = tl.arange(0, BG)[:, None, None]
+            tl.store(dgrho_ptr + pid.to(tl.int64) * (G * M * c) + (g3 * M + mm) * c + cg, part,
+                     mask=(g3 < G) & (mm < M) & (cg < c))  # fmt: skip

@@ -135,6 +135,11 @@ def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int):
     rows = _rows(single, rho, n, gl_v)
     blocks = tile_sizes(g, m, 1 if single else rows, d, c, e)
     blocks["BV"] = _power2(n)
+    # a local spatial table's rows side by side, (BRV BE, BJ), and the tile's logits by
+    # neighbour j: one product each, whose sides are at least DOT_MIN
+    blocks["BRV"] = blocks["BG"] if single else blocks["BR"]
+    blocks["BJ"] = max(_power2(j), DOT_MIN)
+    blocks["BE"] = max(blocks["BE"], DOT_MIN // blocks["BRV"])
     halo, slot, row = tile_maps(neighbour, valid, offsets, blocks["BQ"], blocks["BH"])
     sizes = (n_q, n_kv, halo.shape[0], halo.shape[1], j, m, g, d, c, e, distinct, n, rows)
     return (halo, slot, slot if row is None else row), sizes, blocks
@@ -267,6 +272,10 @@ def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold):
         HAS_GL=grho is not None, GL_V=grho is not None and grho.shape[0] > 1,
         HAS_RHO=rho is not None, HAS_OFFSETS=offsets is not None, SINGLE=single,
         DROP=threshold > 0, PRECISION=PRECISION[q.dtype],
+        # a local spatial term whose products outnumber the logits' (e > M: a lifting layer)
+        # through the tile's logits by neighbour and each block's one-hot map (matrix products);
+        # else rho gathered at each block's offsets
+        SP_DOT=rho is not None and offsets is None and blocks["BE"] > blocks["BM"],
     )  # fmt: skip
     grid = (q.shape[0] * maps[0].shape[0],)
     warps = max(1, min(MAX_WARPS, blocks["BQ"] * blocks["BR"] * blocks["BG"] // DOT_MIN))

@@ -80,6 +80,17 @@ def _dot(a_hi, a_lo, b_hi, b_lo, PRECISION: tl.constexpr):
     return out
 
 
+@triton.jit
+def _dot_by(a_hi, a_lo, b, PRECISION: tl.constexpr):
+    """a b for b exact in TF32 (0 or 1): two products in float32, one in float64."""
+    if PRECISION == "ieee":
+        out = tl.sum(a_hi[:, :, None] * b[None, :, :], axis=1)
+    else:
+        out = tl.dot(a_lo, b, input_precision="tf32", out_dtype=tl.float32)
+        out = tl.dot(a_hi, b, out, input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
 # The seed changes with every call: no variant compiled for one that is 1 or a multiple of 16.
 @triton.jit(do_not_specialize=["s0", "s1", "threshold"])
 def keep_bits(bits_ptr, J, M, G, s0, s1, threshold, BJ: tl.constexpr, BM: tl.constexpr,
@@ -226,15 +237,74 @@ def _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L, T, 
 
 
 @triton.jit
-def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, rho_ptr,
-            rv, L, T, M, d, D, e, HAS_OFFSETS: tl.constexpr, HAS_RHO: tl.constexpr,
-            SINGLE: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr,
-            BG: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-            BE: tl.constexpr):  # fmt: skip
+def _spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR: tl.constexpr, BRV: tl.constexpr,
+               BE: tl.constexpr):  # fmt: skip
+    """Each row's first e channels of q in the column block of its row of rho: ``(NR, BRV
+    BE)``, 0 elsewhere (a local table's rows side by side make one product of it)."""
+    col = tl.arange(0, BRV * BE)[None, :]
+    ok = live[:, None] & (col // BE == rv[:, None]) & (col % BE < e)
+    return tl.load(q_ptr + (zl * G + g)[:, None] * d + col % BE, mask=ok, other=0.0)
+
+
+@triton.jit
+def _stacked_rho(rho_ptr, V, D, e, J, BRV: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):
+    """A local table rho ``(V, J, e)`` as ``((v, e), j)``: ``(BRV BE, BJ)``."""
+    ve = tl.arange(0, BRV * BE)[:, None]
+    j = tl.arange(0, BJ)[None, :]
+    ok = (ve // BE < V) & (ve % BE < e) & (j < J)
+    return tl.load(rho_ptr + ((ve // BE) * D + j) * e + ve % BE, mask=ok, other=0.0)
+
+
+@triton.jit
+def _by_query(x, iq, NR: tl.constexpr, BQ: tl.constexpr, BJ: tl.constexpr):
+    """x ``(NR, BJ)`` in the column block of each row's query iq: ``(NR, BQ BJ)``."""
+    if BQ == 1:
+        out = x
+    else:
+        out = tl.reshape(tl.broadcast_to(x[:, None, :], (NR, BQ, BJ)), (NR, BQ * BJ))
+        out = tl.where(tl.arange(0, BQ * BJ)[None, :] // BJ == iq[:, None], out, 0.0)
+    return out
+
+
+@triton.jit
+def _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J, PRECISION: tl.constexpr,
+                  NR: tl.constexpr, BQ: tl.constexpr, BRV: tl.constexpr, BE: tl.constexpr,
+                  BJ: tl.constexpr):  # fmt: skip
+    """A local spatial term's logits of the tile, once: log2(e) q[:, :e] . rho[rv, j] for every
+    row and neighbour j, in the column block of the row's query, ``(NR, BQ BJ)``, split
+    (:func:`_split`). A block's part is then this times its one-hot map (:func:`_one_hot`)."""
+    a_hi, a_lo = _split(_spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR, BRV, BE), PRECISION)
+    b_hi, b_lo = _split(_stacked_rho(rho_ptr, V, D, e, J, BRV, BE, BJ), PRECISION)
+    sp = _dot(a_hi, a_lo, b_hi, b_lo, PRECISION) * LOG2E
+    return _split(_by_query(sp, iq, NR, BQ, BJ), PRECISION)
+
+
+@triton.jit
+def _one_hot(h0, t, H, slot_ptr, BQ: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
+             BM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """Which neighbour j of the tile's query iq each column (h, m) of a block is: ``((iq, j),
+    (h, m))``, 1 or 0, ``(BQ BJ, BH BM)``."""
+    h = h0 + tl.arange(0, BH)
+    slot = tl.load(slot_ptr + (t * BQ + tl.arange(0, BQ))[:, None] * H + h[None, :])
+    hit = slot[:, None, :, None] == tl.arange(0, BJ)[None, :, None, None]
+    hit = tl.broadcast_to(hit, (BQ, BJ, BH, BM))
+    return tl.reshape(tl.where(hit, 1.0, 0.0).to(dtype), (BQ * BJ, BH * BM))
+
+
+@triton.jit
+def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, sp_hi,
+            sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS: tl.constexpr,
+            HAS_RHO: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr,
+            PRECISION: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr,
+            BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+            BJ: tl.constexpr):  # fmt: skip
     """A halo block (:func:`_block`, its keys split by :func:`_split`), its spatial table
     (:func:`_spatial`; stand-ins without a spatial term) and the logits in base 2, log2(e) x
     ``(NR, BH BM)``: ``bias`` ``(NR, BM)`` holds log2(e) gl and -inf past M, ``qe`` the
-    queries' first e channels times log2(e), q ``(hi, lo)``; -inf off the slots."""
+    queries' first e channels times log2(e), q ``(hi, lo)``; -inf off the slots. With SP_DOT
+    the spatial term comes from the tile's ``sp`` (:func:`_local_logits`) through the block's
+    one-hot map, which is returned (a stand-in otherwise); else from rho at the block's
+    offsets."""
     rows, exists, slot, counts, where, keys = _block(
         h0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, M, d, HAS_OFFSETS, BH, BM, BD
     )
@@ -243,7 +313,8 @@ def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bia
     table = where
     at = where
     ok = counts
-    if HAS_RHO:
+    one_hot = where
+    if HAS_RHO and not SP_DOT:
         table, at, ok, sp = _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts,
                                      L, T, D, e, HAS_OFFSETS, SINGLE, BQ, BR, BG, BH,
                                      BE)  # fmt: skip
@@ -251,18 +322,11 @@ def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bia
     else:
         column = tl.where(counts, 0.0, float("-inf")).to(s.dtype)
     x = tl.reshape(s, (BQ * BR * BG, BH, BM)) * LOG2E + bias[:, None, :] + column[:, :, None]
-    return (
-        rows,
-        exists,
-        slot,
-        counts,
-        k_hi,
-        k_lo,
-        table,
-        at,
-        ok,
-        tl.reshape(x, (BQ * BR * BG, BH * BM)),
-    )
+    x = tl.reshape(x, (BQ * BR * BG, BH * BM))
+    if SP_DOT:
+        one_hot = _one_hot(h0, t, H, slot_ptr, BQ, BJ, BH, BM, s.dtype)
+        x += _dot_by(sp_hi, sp_lo, one_hot, PRECISION)
+    return rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x
 
 
 @triton.jit
@@ -272,7 +336,7 @@ def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
                BE: tl.constexpr):  # fmt: skip
     """Tile t's rows (:func:`_rows`): zl = z L + i, the halo row of each, which count, r, g,
     each row's row of rho (r; single form: g), q ``(NR, BD)``, its last c and first e channels,
-    the group encoding at each row ``(NR, BM, BC)`` and the logits' row bias ``(NR, BM)``:
+    each row's row of the group encoding and the logits' row bias ``(NR, BM)``:
     log2(e) gl, -inf past M."""
     iq, r, g, i, live = _rows(t, L, T, G, BQ, BR, BG)
     zl = z * L + i.to(tl.int64)
@@ -285,12 +349,11 @@ def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
         rv = g
     m = tl.arange(0, BM)[None, :]
     bias = tl.zeros((BQ * BR * BG, BM), q.dtype)
-    enc = tl.zeros((BQ * BR * BG, BM, BC), q.dtype)
     if HAS_GL:
-        gl, enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
+        gl, _enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
         bias = gl * LOG2E
     bias = tl.where(m < M, bias, float("-inf"))
-    return zl, t * BQ + iq, live, r, g, rv, q, qt, qe, enc, bias
+    return zl, t * BQ + iq, live, r, g, rv, gr, q, qt, qe, bias
 
 
 @triton.jit
@@ -298,10 +361,10 @@ def attention_forward(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr,
     row_ptr, L, Lkv, NT, H, J, M, G, d, c, e, D, V, T,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out ``(Z, L, V, d)`` and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries
     a program (grid: Z NT); ``bits`` from :func:`keep_bits` where DROP."""
@@ -309,12 +372,17 @@ def attention_forward(
     pid = tl.program_id(0).to(tl.int64)
     z = pid // NT
     t = pid % NT
-    zl, tq, live, r, g, rv, q, _qt, qe, _enc, bias = _tile_rows(
+    zl, tq, live, r, g, rv, _gr, q, _qt, qe, bias = _tile_rows(
         q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM, BD,
         BC, BE,
     )  # fmt: skip
     qe2 = qe * LOG2E
     q_hi, q_lo = _split(q, PRECISION)
+    sp_hi = q_hi  # stand-ins without a local spatial term
+    sp_lo = q_lo
+    if SP_DOT:
+        sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, tq - t * BQ, G, d, e, V, D,
+                                     J, PRECISION, NR, BQ, BRV, BE, BJ)  # fmt: skip
     kz = k_ptr + z * Lkv * M * d
     vz = v_ptr + z * Lkv * M * d
     halo = halo_ptr + t * H
@@ -324,9 +392,10 @@ def attention_forward(
     total = tl.zeros((NR,), dtype)
     acc = tl.zeros((NR, BD), dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, _kh, _kl, _t, _a, _o, x = _logits(
-            h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv, L,
-            T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD, BE,
+        rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
+            h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi, sp_lo,
+            rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION, BQ, BR,
+            BG, BH, BM, BD, BE, BJ,
         )  # fmt: skip
         new = tl.maximum(top, tl.max(x, axis=1))
         safe = tl.where(new == float("-inf"), 0.0, new)
@@ -369,10 +438,10 @@ def attention_backward(
     q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr, row_ptr,
     L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, GO, COPIES, TILES,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
     ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
@@ -391,12 +460,18 @@ def attention_backward(
     for tile in range(pid, TILES, programs):
         z = tile // NT
         t = tile % NT
-        zl, tq, live, r, g, rv, q, qt, qe, enc, bias = _tile_rows(
+        zl, tq, live, r, g, rv, gr, q, qt, qe, bias = _tile_rows(
             q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM,
             BD, BC, BE,
         )  # fmt: skip
         qe2 = qe * LOG2E
         q_hi, q_lo = _split(q, PRECISION)
+        iq = tq - t * BQ
+        sp_hi = q_hi  # stand-ins without a local spatial term
+        sp_lo = q_lo
+        if SP_DOT:
+            sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J,
+                                         PRECISION, NR, BQ, BRV, BE, BJ)  # fmt: skip
         dtype = q.dtype
         kz = k_ptr + z * Lkv * M * d
         vz = v_ptr + z * Lkv * M * d
@@ -412,10 +487,10 @@ def attention_backward(
         # 1. A = GO . sum_(h, m) W keep val
         o = tl.zeros((NR, BD), dtype)
         for h0 in range(0, H, BH):
-            rows, exists, slot, counts, _kh, _kl, _t, _a, _o, x = _logits(
-                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv,
-                L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD,
-                BE,
+            rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
+                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
+                sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
+                PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
             w = tl.math.exp2(x - lse[:, None])
             if DROP:
@@ -430,11 +505,12 @@ def attention_backward(
         dq = tl.zeros((NR, BD), dtype)  # sum_h dx K, per row
         dgl = tl.zeros((NR, BM), dtype)  # sum_h dx
         dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho
+        dsp_j = tl.zeros((NR, BQ * BJ), dtype)  # a local term's d sp by (query, neighbour j)
         for h0 in range(0, H, BH):
-            rows, exists, slot, counts, k_hi, k_lo, table, at, ok, x = _logits(
-                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, rho_ptr, rv,
-                L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SINGLE, PRECISION, BQ, BR, BG, BH, BM, BD,
-                BE,
+            rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x = _logits(
+                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
+                sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
+                PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
             w = tl.math.exp2(x - lse[:, None])
             v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
@@ -456,7 +532,9 @@ def attention_backward(
             tl.atomic_add(dkz + kv_at, tl.reshape(dkeys, (BH, BM, BD)), mask=kv_ok)
             dx = tl.reshape(dx, (NR, BH, BM))
             dgl += tl.sum(dx, axis=1)
-            if HAS_RHO:  # drho[rv, row] += sum_g dsp q[:, :e]; dq[:, :e] += sum_h dsp rho
+            if SP_DOT:  # d sp summed over m and placed by j
+                dsp_j += _dot_by(dx_hi, dx_lo, tl.trans(one_hot), PRECISION)
+            if HAS_RHO and not SP_DOT:  # drho[rv, row] += sum_g dsp q[:, :e]; dqe += dsp rho
                 dsp = tl.sum(dx, axis=2)  # (NR, BH)
                 if SINGLE:
                     tl.atomic_add(drho_ptr + at, dsp[:, :, None] * qe[:, None, :], mask=ok)
@@ -470,10 +548,30 @@ def attention_backward(
                     dqe += tl.reshape(tl.sum(dsp[:, :, :, None] * table[:, None, :, :], axis=2),
                                       (NR, BE))  # fmt: skip
 
+        if SP_DOT:  # drho[v, j] += sum_rows dsp q[:, :e]; dqe += dsp rho
+            if BQ > 1:  # each row's own query's block
+                keep_q = tl.arange(0, BQ * BJ)[None, :] // BJ == iq[:, None]
+                dsp_j = tl.sum(tl.reshape(tl.where(keep_q, dsp_j, 0.0), (NR, BQ, BJ)), axis=1)
+            d_hi, d_lo = _split(dsp_j, PRECISION)
+            a_hi, a_lo = _split(_spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR, BRV, BE),
+                                PRECISION)  # fmt: skip
+            ve = tl.arange(0, BRV * BE)[:, None]
+            j = tl.arange(0, BJ)[None, :]
+            tl.atomic_add(drho_ptr + ((ve // BE) * D + j) * e + ve % BE,
+                          _dot(tl.trans(a_hi), tl.trans(a_lo), d_hi, d_lo, PRECISION),
+                          mask=(ve // BE < V) & (ve % BE < e) & (j < J))  # fmt: skip
+            b_hi, b_lo = _split(_stacked_rho(rho_ptr, V, D, e, J, BRV, BE, BJ), PRECISION)
+            full = _dot(d_hi, d_lo, tl.trans(b_hi), tl.trans(b_lo), PRECISION)  # (NR, BRV BE)
+            mine = tl.arange(0, BRV * BE)[None, :] // BE == rv[:, None]
+            dqe += tl.sum(tl.reshape(tl.where(mine, full, 0.0), (NR, BRV, BE)), axis=1)
+
         # the group term: d grho[gr, g, m] += sum_i dgl qt; dq[:, d-c:] += sum_m dgl grho
         dgrho += tl.sum(tl.reshape(dgl[:, :, None] * qt[:, None, :], (BQ, BR * BG, BM, BC)),
                         axis=0)  # fmt: skip
-        dqt = tl.sum(dgl[:, :, None] * enc, axis=1)  # (NR, BC)
+        dqt = tl.zeros((NR, BC), dtype)
+        if HAS_GL:
+            _gl, enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
+            dqt = tl.sum(dgl[:, :, None] * enc, axis=1)
         # dq of each row: the content part, the spatial part on the first e channels, the
         # group part on the last c; then summed over r
         ce = tl.arange(0, BE)[None, :, None]

@@ -41,7 +41,7 @@ def _kernel_only(monkeypatch) -> list:
 
     def recorded(*args):
         maps, sizes, blocks = launch(*args)
-        seen.append((maps[0].shape, blocks["BQ"], blocks["BH"]))
+        seen.append((maps[0].shape, blocks["BQ"], blocks["BH"], blocks["CHUNKS"]))
         return maps, sizes, blocks
 
     monkeypatch.setattr(triton_tiles, "_launch", recorded)
@@ -63,21 +63,24 @@ def test_matches_the_dense_oracle(form, shape, drop, device, monkeypatch):
     assert len(seen) == 1  # the tile maps, built once for the forward and the backward
 
 
-@pytest.mark.parametrize(("form", "shape"), [CASES[i] for i in (0, 3, 13)])
+@pytest.mark.parametrize(("form", "shape"), [CASES[i] for i in (0, 3, 4, 13)])
 def test_many_tiles_and_halo_blocks(form, shape, device, monkeypatch):
-    """Nine queries, 9 neighbours each out of 30 keys (repeats likely), blocks as small as the
-    products allow, dropout on: the statistics carried from block to block, dk, dv, drho added
-    from many programs, d grho summed over programs."""
+    """Nine queries, 9 neighbours each out of 30 keys (repeats likely), blocks and programs as
+    small as the products allow, dropout on: the statistics carried from block to block, dk,
+    dv, drho added from many programs, d grho summed over programs, each backward program
+    taking several tiles, an R8 query's rows r split over programs (dq added by each)."""
     monkeypatch.setattr(triton_tiles, "COLUMNS", 1)
+    monkeypatch.setattr(triton_tiles, "MAX_ROWS", 16)
     seen = _kernel_only(monkeypatch)
     inputs = _on(device, _inputs(**{**shape, "z": 2, "n_q": 9, "n_kv": 30, "j": 9}))
     ours = _run(factorised_attention, inputs, form, drop=0.3, backend="triton_tiles")
     oracle = _run(_dense(0.3), inputs, form)
     for a, b in zip(ours, oracle, strict=True):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
-    (tiles, halo), bq, bh = seen[0][0], seen[0][1], seen[0][2]
+    (tiles, halo), bq, bh, chunks = seen[0]
     assert halo > bh  # more than one block a tile
     assert tiles == -(-9 // bq)
+    assert (chunks > 1) == (shape.get("g") == 8)  # 64 rows a query, in chunks of 16
 
 
 @pytest.mark.parametrize(("form", "shape"), [CASES[i] for i in (0, 2, 4, 13)])

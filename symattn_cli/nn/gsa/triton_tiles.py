@@ -24,8 +24,12 @@ COLUMNS = 32
 # tl.dot takes operands of at least 16 along every axis
 DOT_MIN = 16
 # A warp holds 16 rows of the products (one matrix tile's height), whole, so that it reduces
-# them without shared memory; at most this many warps a program.
-MAX_WARPS = 8
+# them without shared memory.
+WARP_ROWS = 16
+# Rows a program at most: the backward's matrix operands (q, the output gradient, dx, W; each
+# as two parts) stay in shared memory, about 1.2 KiB a row; a query's rows r beyond this
+# many are taken by further programs (chunks of rows r).
+MAX_ROWS = 64
 # float32 products on tensor cores at float32 accuracy (three TF32 products); float64 exact
 PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
 # Backward programs a multiprocessor: each takes tiles in turn and sums its d grho
@@ -63,15 +67,17 @@ def encoding(group_rho, single: bool):
 
 
 def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int) -> dict[str, int]:
-    """Block sizes, powers of two: BQ queries a tile, whose BQ BR BG rows (query, outer row,
-    element; ``rows``: the outer rows R of a query) fill at least one matrix tile, and BH halo
-    points a block, whose BH BM columns are at least :data:`DOT_MIN` and about
+    """Block sizes, powers of two: BQ queries a tile, whose rows (query, outer row, element;
+    ``rows``: the outer rows R of a query, BT = R rounded up) fill at least one matrix tile, BR
+    of the rows r a program (CHUNKS programs a tile, at most :data:`MAX_ROWS` rows each), and
+    BH halo points a block, whose BH BM columns are at least :data:`DOT_MIN` and about
     :data:`COLUMNS`."""
-    bg, bm, br = _power2(g), _power2(m), _power2(rows)
-    bq = max(1, DOT_MIN // (br * bg))
+    bg, bm, bt = _power2(g), _power2(m), _power2(rows)
+    bq = max(1, DOT_MIN // (bt * bg))
+    br = max(1, min(bt, MAX_ROWS // (bq * bg)), DOT_MIN // (bq * bg))
     bh = max(_power2(-(-DOT_MIN // bm)), COLUMNS // bm)
-    return dict(BQ=bq, BR=br, BH=bh, BG=bg, BM=bm, BD=max(_power2(d), DOT_MIN), BC=_power2(c),
-                BE=_power2(e))  # fmt: skip
+    return dict(BQ=bq, BR=br, BT=bt, CHUNKS=bt // br, BH=bh, BG=bg, BM=bm,
+                BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=_power2(e))  # fmt: skip
 
 
 def tile_maps(neighbour, valid, offsets, bq: int, bh: int):
@@ -137,7 +143,7 @@ def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int):
     blocks["BV"] = _power2(n)
     # a local spatial table's rows side by side, (BRV BE, BJ), and the tile's logits by
     # neighbour j: one product each, whose sides are at least DOT_MIN
-    blocks["BRV"] = blocks["BG"] if single else blocks["BR"]
+    blocks["BRV"] = blocks["BG"] if single else blocks["BT"]
     blocks["BJ"] = max(_power2(j), DOT_MIN)
     blocks["BE"] = max(blocks["BE"], DOT_MIN // blocks["BRV"])
     halo, slot, row = tile_maps(neighbour, valid, offsets, blocks["BQ"], blocks["BH"])
@@ -242,7 +248,7 @@ def backward_launch(grads, grad_out, lse, launch, copies: int = 1, programs: int
     over their first axis."""
     program, grid, args, meta = launch
     q, grho, rho = args[0], args[3], args[4]
-    if meta["BR"] == 1 and not meta["SINGLE"]:  # every v had the same output row: add them up
+    if meta["BT"] == 1 and not meta["SINGLE"]:  # every v had the same output row: add them up
         grad_out = grad_out.sum(dim=2, keepdim=True)
     grad_out = grad_out.contiguous()
     dq, dk, dv = grads
@@ -277,8 +283,8 @@ def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold):
         # else rho gathered at each block's offsets
         SP_DOT=rho is not None and offsets is None and blocks["BE"] > blocks["BM"],
     )  # fmt: skip
-    grid = (q.shape[0] * maps[0].shape[0],)
-    warps = max(1, min(MAX_WARPS, blocks["BQ"] * blocks["BR"] * blocks["BG"] // DOT_MIN))
+    grid = (q.shape[0] * maps[0].shape[0] * blocks["CHUNKS"],)
+    warps = max(1, blocks["BQ"] * blocks["BR"] * blocks["BG"] // WARP_ROWS)
     return kernels(), grid, args, {**flags, **blocks, "num_warps": warps}
 
 

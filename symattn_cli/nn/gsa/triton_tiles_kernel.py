@@ -125,41 +125,42 @@ def keep_bits(bits_ptr, J, M, G, s0, s1, threshold, BJ: tl.constexpr, BM: tl.con
 
 
 @triton.jit
-def _rows(t, L, T, G, BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
+def _rows(t, r0, L, T, G, BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
     """The rows of tile t ``(NR,)``: query iq, outer row r, element g, the query point i and
     whether the row counts."""
     row = tl.arange(0, BQ * BR * BG)
     iq = row // (BR * BG)
-    r = (row // BG) % BR
+    r = r0 + (row // BG) % BR
     g = row % BG
     i = t * BQ + iq
     return iq, r, g, i, (i < L) & (r < T) & (g < G)
 
 
 @triton.jit
-def _queries(q_ptr, zl, g, live, G, d, c, e, BD: tl.constexpr, BC: tl.constexpr,
-             BE: tl.constexpr):  # fmt: skip
-    """q[i, g] of each row ``(NR, BD)``, its last c channels ``(NR, BC)`` and its first e
-    ``(NR, BE)``."""
+def _queries(q_ptr, zl, g, live, G, d, e, BD: tl.constexpr, BE: tl.constexpr):
+    """q[i, g] of each row ``(NR, BD)`` and its first e channels ``(NR, BE)``."""
     base = q_ptr + (zl * G + g)[:, None] * d
     ch = tl.arange(0, BD)[None, :]
     q = tl.load(base + ch, mask=live[:, None] & (ch < d), other=0.0)
-    cc = tl.arange(0, BC)[None, :]
-    qt = tl.load(base + d - c + cc, mask=live[:, None] & (cc < c), other=0.0)
     ce = tl.arange(0, BE)[None, :]
     qe = tl.load(base + ce, mask=live[:, None] & (ce < e), other=0.0)
-    return q, qt, qe
+    return q, qe
 
 
 @triton.jit
-def _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM: tl.constexpr, BC: tl.constexpr):
-    """gl[row, m] = qt[row] . grho[gr, g, m] ``(NR, BM)`` and the encoding's rows ``(NR, BM,
-    BC)``, for each row's encoding row gr and element g."""
-    m = tl.arange(0, BM)[None, :, None]
-    cc = tl.arange(0, BC)[None, None, :]
-    at = ((gr * G + g)[:, None, None] * M + m) * c + cc
-    enc = tl.load(grho_ptr + at, mask=live[:, None, None] & (m < M) & (cc < c), other=0.0)
-    return tl.sum(qt[:, None, :] * enc, axis=2), enc
+def _group_logits(q_ptr, grho_ptr, zl, gr, g, live, G, M, d, c, BM: tl.constexpr,
+                  BC: tl.constexpr):  # fmt: skip
+    """gl[row, m] = q[i, g, d-c:] . grho[gr, g, m] ``(NR, BM)``, for each row's encoding row gr
+    and element g, one channel at a time."""
+    m = tl.arange(0, BM)[None, :]
+    at = ((gr * G + g)[:, None] * M + m) * c
+    ok = live[:, None] & (m < M)
+    gl = tl.zeros((zl.shape[0], BM), q_ptr.dtype.element_ty)
+    for cc in tl.static_range(BC):
+        if cc < c:
+            tail = tl.load(q_ptr + (zl * G + g) * d + d - c + cc, mask=live, other=0.0)
+            gl += tail[:, None] * tl.load(grho_ptr + at + cc, mask=ok, other=0.0)
+    return gl
 
 
 @triton.jit
@@ -203,7 +204,7 @@ def _keep(bits_ptr, zl, g, slot, counts, G, J, BM: tl.constexpr):
 
 
 @triton.jit
-def _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L, T, D, e,
+def _spatial(h0, t, r0, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L, T, D, e,
              HAS_OFFSETS: tl.constexpr, SINGLE: tl.constexpr, BQ: tl.constexpr,
              BR: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):  # fmt: skip
     """rho at the block's offsets, the places it was read from and which count, and the
@@ -219,7 +220,7 @@ def _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L, T, 
     else:
         qr = tl.arange(0, BQ * BR)
         i = t * BQ + qr // BR
-        r = qr % BR
+        r = r0 + qr % BR
         place = i[:, None] * H + (h0 + tl.arange(0, BH))[None, :]
         slot = tl.load(slot_ptr + place)
         counts = (slot >= 0) & ((i < L) & (r < T))[:, None]
@@ -292,7 +293,7 @@ def _one_hot(h0, t, H, slot_ptr, BQ: tl.constexpr, BJ: tl.constexpr, BH: tl.cons
 
 
 @triton.jit
-def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, sp_hi,
+def _logits(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, sp_hi,
             sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS: tl.constexpr,
             HAS_RHO: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr,
             PRECISION: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr,
@@ -315,8 +316,8 @@ def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bia
     ok = counts
     one_hot = where
     if HAS_RHO and not SP_DOT:
-        table, at, ok, sp = _spatial(h0, t, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts,
-                                     L, T, D, e, HAS_OFFSETS, SINGLE, BQ, BR, BG, BH,
+        table, at, ok, sp = _spatial(h0, t, r0, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where,
+                                     counts, L, T, D, e, HAS_OFFSETS, SINGLE, BQ, BR, BG, BH,
                                      BE)  # fmt: skip
         column = tl.where(counts, sp, float("-inf"))
     else:
@@ -330,7 +331,7 @@ def _logits(h0, t, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bia
 
 
 @triton.jit
-def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
+def _tile_rows(q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
                GL_V: tl.constexpr, SINGLE: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr,
                BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
                BE: tl.constexpr):  # fmt: skip
@@ -338,9 +339,9 @@ def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
     each row's row of rho (r; single form: g), q ``(NR, BD)``, its last c and first e channels,
     each row's row of the group encoding and the logits' row bias ``(NR, BM)``:
     log2(e) gl, -inf past M."""
-    iq, r, g, i, live = _rows(t, L, T, G, BQ, BR, BG)
+    iq, r, g, i, live = _rows(t, r0, L, T, G, BQ, BR, BG)
     zl = z * L + i.to(tl.int64)
-    q, qt, qe = _queries(q_ptr, zl, g, live, G, d, c, e, BD, BC, BE)
+    q, qe = _queries(q_ptr, zl, g, live, G, d, e, BD, BE)
     gr = r * 0  # each row's row of the group encoding
     if GL_V:
         gr = r
@@ -350,10 +351,10 @@ def _tile_rows(q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
     m = tl.arange(0, BM)[None, :]
     bias = tl.zeros((BQ * BR * BG, BM), q.dtype)
     if HAS_GL:
-        gl, _enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
+        gl = _group_logits(q_ptr, grho_ptr, zl, gr, g, live, G, M, d, c, BM, BC)
         bias = gl * LOG2E
     bias = tl.where(m < M, bias, float("-inf"))
-    return zl, t * BQ + iq, live, r, g, rv, gr, q, qt, qe, bias
+    return zl, t * BQ + iq, live, r, g, rv, gr, q, qe, bias
 
 
 @triton.jit
@@ -363,17 +364,18 @@ def attention_forward(
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-    BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    CHUNKS: tl.constexpr, BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out ``(Z, L, V, d)`` and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries
     a program (grid: Z NT); ``bits`` from :func:`keep_bits` where DROP."""
     NR: tl.constexpr = BQ * BR * BG
     pid = tl.program_id(0).to(tl.int64)
-    z = pid // NT
-    t = pid % NT
-    zl, tq, live, r, g, rv, _gr, q, _qt, qe, bias = _tile_rows(
-        q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM, BD,
+    r0 = (pid % CHUNKS) * BR  # the program's rows r: r0 .. r0 + BR
+    z = pid // CHUNKS // NT
+    t = pid // CHUNKS % NT
+    zl, tq, live, r, g, rv, _gr, q, qe, bias = _tile_rows(
+        q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM, BD,
         BC, BE,
     )  # fmt: skip
     qe2 = qe * LOG2E
@@ -393,9 +395,9 @@ def attention_forward(
     acc = tl.zeros((NR, BD), dtype)
     for h0 in range(0, H, BH):
         rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
-            h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi, sp_lo,
-            rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION, BQ, BR,
-            BG, BH, BM, BD, BE, BJ,
+            h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
+            sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION,
+            BQ, BR, BG, BH, BM, BD, BE, BJ,
         )  # fmt: skip
         new = tl.maximum(top, tl.max(x, axis=1))
         safe = tl.where(new == float("-inf"), 0.0, new)
@@ -420,10 +422,10 @@ def attention_forward(
     else:
         o = tl.sum(tl.reshape(o, (BQ * BR, BG, BD)), axis=1)  # rows (i, r)
         io = tl.arange(0, BQ * BR) // BR
-        ro = tl.arange(0, BQ * BR) % BR
+        ro = r0 + tl.arange(0, BQ * BR) % BR
         zo = z * L + (t * BQ + io).to(tl.int64)
         ok = (t * BQ + io < L) & (ro < T)
-        if BR == 1:  # no term sees v: every v has this row
+        if BT == 1:  # no term sees v: every v has this row
             vv = tl.arange(0, BV)[None, :, None]
             tl.store(out_ptr + (zo[:, None, None] * V + vv) * d + ch[:, None, :],
                      tl.broadcast_to(o[:, None, :], (BQ, BV, BD)),
@@ -440,8 +442,8 @@ def attention_backward(
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
-    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-    BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    CHUNKS: tl.constexpr, BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
     ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
@@ -454,14 +456,16 @@ def attention_backward(
     programs = tl.num_programs(0)
     drho_ptr += (pid % COPIES) * V * D * e
     ch = tl.arange(0, BD)[None, :]
-    mm = tl.arange(0, BM)[None, :, None]
-    # this program's d grho, by row (r, g): (BR BG, BM, BC)
-    dgrho = tl.zeros((BR * BG, BM, BC), dtype=q_ptr.dtype.element_ty)
+    Vg = 1
+    if GL_V:
+        Vg = T
+    mine = dgrho_ptr + pid.to(tl.int64) * (Vg * G * M * c)  # this program's d grho
     for tile in range(pid, TILES, programs):
-        z = tile // NT
-        t = tile % NT
-        zl, tq, live, r, g, rv, gr, q, qt, qe, bias = _tile_rows(
-            q_ptr, grho_ptr, t, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM,
+        r0 = (tile % CHUNKS) * BR  # the tile's rows r: r0 .. r0 + BR
+        z = tile // CHUNKS // NT
+        t = tile // CHUNKS % NT
+        zl, tq, live, r, g, rv, gr, q, qe, bias = _tile_rows(
+            q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM,
             BD, BC, BE,
         )  # fmt: skip
         qe2 = qe * LOG2E
@@ -488,7 +492,7 @@ def attention_backward(
         o = tl.zeros((NR, BD), dtype)
         for h0 in range(0, H, BH):
             rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
-                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
+                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
                 sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
                 PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
@@ -508,7 +512,7 @@ def attention_backward(
         dsp_j = tl.zeros((NR, BQ * BJ), dtype)  # a local term's d sp by (query, neighbour j)
         for h0 in range(0, H, BH):
             rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x = _logits(
-                h0, t, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
+                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
                 sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
                 PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
@@ -562,37 +566,42 @@ def attention_backward(
                           mask=(ve // BE < V) & (ve % BE < e) & (j < J))  # fmt: skip
             b_hi, b_lo = _split(_stacked_rho(rho_ptr, V, D, e, J, BRV, BE, BJ), PRECISION)
             full = _dot(d_hi, d_lo, tl.trans(b_hi), tl.trans(b_lo), PRECISION)  # (NR, BRV BE)
-            mine = tl.arange(0, BRV * BE)[None, :] // BE == rv[:, None]
-            dqe += tl.sum(tl.reshape(tl.where(mine, full, 0.0), (NR, BRV, BE)), axis=1)
+            own = tl.arange(0, BRV * BE)[None, :] // BE == rv[:, None]
+            dqe += tl.sum(tl.reshape(tl.where(own, full, 0.0), (NR, BRV, BE)), axis=1)
 
-        # the group term: d grho[gr, g, m] += sum_i dgl qt; dq[:, d-c:] += sum_m dgl grho
-        dgrho += tl.sum(tl.reshape(dgl[:, :, None] * qt[:, None, :], (BQ, BR * BG, BM, BC)),
-                        axis=0)  # fmt: skip
-        dqt = tl.zeros((NR, BC), dtype)
-        if HAS_GL:
-            _gl, enc = _group_logits(qt, grho_ptr, gr, g, live, G, M, c, BM, BC)
-            dqt = tl.sum(dgl[:, :, None] * enc, axis=1)
+        # the group term: d grho[gr, g, m] += sum_i dgl q[:, d-c:]; dq[:, d-c:] += dgl grho
+        if HAS_GL:  # one channel cc at a time; d grho added to this program's own row
+            m2 = tl.arange(0, BM)[None, :]
+            at = ((gr * G + g)[:, None] * M + m2) * c
+            ok = live[:, None] & (m2 < M)
+            for cc in tl.static_range(BC):
+                if cc < c:
+                    tail = tl.load(q_ptr + (zl * G + g) * d + d - c + cc, mask=live, other=0.0)
+                    enc = tl.load(grho_ptr + at + cc, mask=ok, other=0.0)
+                    dq += tl.where(ch == d - c + cc, tl.sum(dgl * enc, axis=1)[:, None], 0.0)
+                    part = dgl * tail[:, None]  # (NR, BM); rows that share (gr, g) summed
+                    if GL_V:  # the rows (iq, r, g) of one (r, g)
+                        part = tl.sum(tl.reshape(part, (BQ, BR * BG, BM)), axis=0)
+                        rg = tl.arange(0, BR * BG)[:, None]
+                        place = (((r0 + rg // BG) * G + rg % BG) * M + m2) * c + cc
+                        keep = (r0 + rg // BG < T) & (rg % BG < G) & (m2 < M)
+                    else:  # the rows (iq, r, g) of one g
+                        part = tl.sum(tl.reshape(part, (BQ * BR, BG, BM)), axis=0)
+                        gg = tl.arange(0, BG)[:, None]
+                        place = (gg * M + m2) * c + cc
+                        keep = (gg < G) & (m2 < M)
+                    tl.store(mine + place, tl.load(mine + place, mask=keep, other=0.0) + part,
+                             mask=keep)  # fmt: skip
         # dq of each row: the content part, the spatial part on the first e channels, the
         # group part on the last c; then summed over r
         ce = tl.arange(0, BE)[None, :, None]
         dq += tl.sum(dqe[:, :, None] * (ce == ch[:, None, :]), axis=1)
-        cc = tl.arange(0, BC)[None, :, None]
-        dq += tl.sum(dqt[:, :, None] * (cc + d - c == ch[:, None, :]), axis=1)
         dq = tl.sum(tl.reshape(dq, (BQ, BR, BG, BD)), axis=1)  # (BQ, BG, BD)
         i3 = t * BQ + tl.arange(0, BQ)[:, None, None]
         g3 = tl.arange(0, BG)[None, :, None]
-        tl.store(dq_ptr + ((z * L + i3.to(tl.int64)) * G + g3) * d + ch[:, None, :], dq,
-                 mask=(i3 < L) & (g3 < G) & (ch[:, None, :] < d))  # fmt: skip
-
-    if HAS_GL:  # this program's part, rows (r, g); without v every r adds to row 0
-        rg = tl.arange(0, BR * BG)[:, None, None]
-        cg = tl.arange(0, BC)[None, None, :]
-        if GL_V:
-            at = (((rg // BG) * G + rg % BG) * M + mm) * c + cg
-            ok = (rg // BG < T) & (rg % BG < G) & (mm < M) & (cg < c)
-            tl.store(dgrho_ptr + pid.to(tl.int64) * (T * G * M * c) + at, dgrho, mask=ok)
-        else:
-            part = tl.sum(tl.reshape(dgrho, (BR, BG, BM, BC)), axis=0)
-            g3 = tl.arange(0, BG)[:, None, None]
-            tl.store(dgrho_ptr + pid.to(tl.int64) * (G * M * c) + (g3 * M + mm) * c + cg, part,
-                     mask=(g3 < G) & (mm < M) & (cg < c))  # fmt: skip
+        at = dq_ptr + ((z * L + i3.to(tl.int64)) * G + g3) * d + ch[:, None, :]
+        ok = (i3 < L) & (g3 < G) & (ch[:, None, :] < d)
+        if CHUNKS == 1:
+            tl.store(at, dq, mask=ok)
+        else:  # each chunk of rows r adds its part
+            tl.atomic_add(at, dq, mask=ok)

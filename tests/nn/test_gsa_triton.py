@@ -247,19 +247,28 @@ def compile_for_gpu(arch: int = 90) -> None:
     capability ``arch`` down to machine code; no GPU needed, but Triton must have been
     imported without its interpreter."""
     from symattn_cli.bench import static
+    from symattn_cli.nn.gsa import triton_tiles
 
     for form, shape, dtype, drop, spatial in COMPILED:
         q, k, v, g_rho, rho, offsets, nb, valid, n = _inputs(**shape)
         dtype = getattr(torch, dtype)
         q, k, v, g_rho = (None if t is None else t.to(dtype) for t in (q, k, v, g_rho))
-        call = static.Call("layer", q, k, v, g_rho, rho.to(dtype) if spatial else None, offsets,
-                           nb, valid, form, n, drop)  # fmt: skip
+        rho = rho.to(dtype) if spatial else None
+        call = static.Call("layer", q, k, v, g_rho, rho, offsets, nb, valid, form, n, drop)
         for backend in static.KERNELS:
             for launch in static.launches(call, backend):
                 compiled = static.compile_launch(launch, arch)
                 assert compiled.asm["cubin"], (backend, form, shape, launch.kernel)
                 print(f"compiled {backend} {launch.kernel} {form} {shape} {dtype} for sm_{arch}",
                       flush=True)  # fmt: skip
+        if drop:  # the tiled kernel's dropout mask, drawn by a kernel of its own
+            single = form == "single"
+            plan = triton_tiles.plan(q, k, v, triton_tiles.encoding(g_rho, single), rho, offsets,
+                                     nb, valid, single, n, 100)  # fmt: skip
+            fn, grid, args, meta = triton_tiles.keep_launch(plan, 100, 12345)
+            keep = static.Launch("layer", "keep", fn, grid, args, meta, 0.0, 0.0, str(dtype))
+            assert static.compile_launch(keep, arch).asm["cubin"]
+            print(f"compiled keep mask {form} {shape} for sm_{arch}", flush=True)
 
 
 @pytest.mark.slow
@@ -278,7 +287,8 @@ def test_kernels_compile_for_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 2 * len(COMPILED) * len(static.KERNELS)
+    dropout = sum(1 for *_, drop, _ in COMPILED if drop)
+    assert done.stdout.count("compiled") == 2 * len(COMPILED) * len(static.KERNELS) + dropout
 
 
 # ------------------------------------------------------------------ on a GPU

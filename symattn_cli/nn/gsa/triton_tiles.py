@@ -5,8 +5,9 @@ backend runs (CUDA, or CPU tensors in Triton's interpreter for tests) and takes 
 encoding itself, not the group logits.
 
 The dispatcher hands over float32 or float64 tensors (half precision widened). dk, dv and
-drho are summed by atomic adds, so on a GPU their last bits vary from run to run; d grho is
-summed per program and then over programs in a fixed order.
+drho (and dq where a query's rows are split over programs, groups of 16 elements) are summed
+by atomic adds, so on a GPU their last bits vary from run to run; d grho is summed per
+program and then over programs in a fixed order.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ WARP_ROWS = 16
 # as two parts) stay in shared memory, about 1.2 KiB a row; a query's rows r beyond this
 # many are taken by further programs (chunks of rows r).
 MAX_ROWS = 64
-# float32 products on tensor cores at float32 accuracy (three TF32 products); float64 exact
+# float32 products on tensor cores at float32 accuracy (three TF32 products, the kernel's
+# _dot); float64 on CUDA cores
 PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
 # Backward programs a multiprocessor: each takes tiles in turn and sums its d grho
 PROGRAMS_PER_SM = 8

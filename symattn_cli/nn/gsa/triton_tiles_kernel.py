@@ -3,8 +3,9 @@ which states the algorithm and the letters) over tiles of queries;
 :mod:`symattn_cli.nn.gsa.triton_tiles` builds the tiles and launches them.
 
 A program takes a tile of BQ query points of one batch-head. Its products have one row per
-(query iq, outer row r, query element g), NR = BQ BR BG rows (BR = T rows r in the sum
-form, 1 in the single form), and one column per (halo point h, key element m): the tile's
+(query iq, outer row r, query element g), NR = BQ BR BG rows (BR of the BT >= T rows r in
+the sum form, 1 in the single form; a tile's rows r beyond MAX_ROWS are taken by CHUNKS
+programs), and one column per (halo point h, key element m): the tile's
 *halo* is the union of its queries' neighbours (``halo (NT, H)``: key points, each repeated
 as often as one query lists it), visited BH points at a time. ``slot (NT, BQ, H)`` says
 which neighbour j of query iq a halo point is (-1: none: outside its window, invalid, or
@@ -12,7 +13,7 @@ padding) and ``row (NT, BQ, H)`` its row of rho (global layers; local ones read 
 
 The two softmaxes of the core are one softmax over (h, m) of the whole logit for each row
 (i, r, g) (beta_r pi_r = exp(x_r - LSE_r), the core's factorisation read backwards), which
-the kernel runs as FlashAttention does, online over the halo:
+the kernel runs as FlashAttention does, online over the halo, in base 2 (log2(e) x):
 
   x[(i, r, g), (h, m)] = S + gl[i, r, g, m] + sp[i, r, g, h]     (-inf off the slots)
   S   = Q K^T            (NR, d) @ (d, BH M): q[i, g] on every row r      (``tl.dot``)
@@ -25,7 +26,10 @@ T = V rows r with a spatial term or a group term that depends on v, else 1; the 
 form (g = v) has one. The keys, values and dropout's keep mask of a block serve every row;
 the sums that link rows (over g and r) and columns (over h, m) happen inside the matrix
 products or once a tile, not per block across lanes. Dropout's keep mask is that of pi,
-drawn once per call by :func:`keep_bits` (the mask of common.keep_mask, one bit per m).
+drawn once per call by :func:`keep_bits` (the mask of common.keep_mask, one bit per m). A
+local spatial term with more products than the logits (e > M: lifting layers, SP_DOT) is
+formed once a tile for every neighbour j and reaches a block through its one-hot map of
+neighbours (a product); otherwise rho is gathered at each block's offsets.
 
   forward   O and LSE (Z, L, T, G), one tile a program
   backward  with W = exp(x - LSE), GO[(i, r, g)] = dL/dout[i, r] (single: [i, g]),
@@ -38,16 +42,22 @@ drawn once per call by :func:`keep_bits` (the mask of common.keep_mask, one bit 
 A backward program takes tiles pid, pid + programs, ...: dK and dVal are added to dk, dv once
 per (tile, block) (atomic adds of the block's sum), d grho is summed per program into its
 own row of ``dgrho (programs, Vg, G, M, c)``, which the caller reduces in a fixed order, and
-drho is added into copy pid mod COPIES of it (the caller sums the copies). On a GPU the
-atomic adds make dk, dv and drho vary at round-off level from run to run. Accumulation is in
-the inputs' dtype (float32 products on tensor cores at float32 accuracy, ``tf32x3``; float64
-on its own units).
+drho is added into copy pid mod COPIES of it (the caller sums the copies); dq is stored, or
+added where a tile's rows r are split over programs. On a GPU the atomic adds make dk, dv,
+drho (and then dq) vary at round-off level from run to run. Accumulation is in the inputs'
+dtype: float32 products on tensor cores at float32 accuracy (three TF32 products,
+:func:`_dot`), float64 ones on CUDA cores.
+
+Shapes: q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, grho ``(Vg, G, M, c)``, rho ``(V, D,
+e)``, out ``(Z, L, V, d)``.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from symattn_cli.nn.gsa.triton_kernel import _keep as _hash_keep
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -96,32 +106,16 @@ def _dot_by(a_hi, a_lo, b, PRECISION: tl.constexpr):
 def keep_bits(bits_ptr, J, M, G, s0, s1, threshold, BJ: tl.constexpr, BM: tl.constexpr,
               BG: tl.constexpr):  # fmt: skip
     """Dropout's keep mask of query zl = program id, ``bits (Z L, G, J)``: bit m of [zl, g, j]
-    set where entry (zl, j, m, g) is kept, as common.keep_mask: the flat index into (Z, L, J,
-    M, G), its low word xor s0 mixed by the "lowbias32" hash, xor s1 and the high word, mixed
-    again; kept if 15 bits >= threshold."""
+    set where entry (zl, j, m, g) is kept (the one-query kernel's hash, as common.keep_mask)."""
     zl = tl.program_id(0).to(tl.int64)
-    s0 = s0.to(tl.uint32)
-    s1 = s1.to(tl.uint32)
-    g = tl.arange(0, BG)[None, :, None]
-    m = tl.arange(0, BM)[None, None, :]
+    m = tl.arange(0, BM)[None, :, None]
     for j0 in range(0, J, BJ):
-        j = j0 + tl.arange(0, BJ)[:, None, None]
-        flat = ((zl * J + j) * M + m) * G + g  # (BJ, BG, BM)
-        x = (flat & 0xFFFFFFFF).to(tl.uint32) ^ s0
-        for step in tl.static_range(2):
-            if step == 1:
-                x = x ^ s1 ^ (flat >> 32).to(tl.uint32)
-            x = x ^ (x >> 16)
-            x = x * 0x7FEB352D
-            x = x ^ (x >> 15)
-            x = x * 0x846CA68B
-            x = x ^ (x >> 16)
-        kept = ((x & 0x7FFF) >= threshold) & (m < M)
-        bits = tl.sum(tl.where(kept, 1 << m, 0), axis=2)  # (BJ, BG)
-        jj = j0 + tl.arange(0, BJ)[:, None]
+        j = j0 + tl.arange(0, BJ)
+        kept = _hash_keep(zl, j, J, M, G, s0.to(tl.uint32), s1.to(tl.uint32), threshold, BM, BG)
+        bits = tl.sum(tl.where(kept & (m < M), 1 << m, 0), axis=1)  # (BJ, BG)
         gg = tl.arange(0, BG)[None, :]
-        tl.store(bits_ptr + (zl * G + gg) * J + jj, bits.to(bits_ptr.dtype.element_ty),
-                 mask=(jj < J) & (gg < G))  # fmt: skip
+        tl.store(bits_ptr + (zl * G + gg) * J + j[:, None], bits.to(bits_ptr.dtype.element_ty),
+                 mask=(j[:, None] < J) & (gg < G))  # fmt: skip
 
 
 @triton.jit

@@ -239,6 +239,8 @@ COMPILED = [
     ("sum", dict(by_v=True), "float32", 0.1, True),  # a group term that sees v (GL_V)
     ("sum", dict(by_v=True, local=False), "float64", 0.1, True),
     ("sum", dict(g=8, m=8, d=10, e=6, j=25, by_v=True), "float32", 0.1, True),  # r8, GL_V
+    # e > M (the tiled kernel's spatial term through products), rows r in chunks
+    ("sum", dict(g=16, m=2, d=8, e=5, j=9, by_v=True), "float32", 0.1, True),
 ]
 
 

@@ -83,6 +83,39 @@ def test_many_tiles_and_halo_blocks(form, shape, device, monkeypatch):
     assert (chunks > 1) == (shape.get("g") == 8)  # 64 rows a query, in chunks of 16
 
 
+@pytest.mark.parametrize(
+    ("form", "shape"),
+    [
+        ("sum", dict(d=8, e=5)),  # group layer, e > M: its spatial term through products
+        ("single", dict(d=8, e=5)),
+        ("sum", dict(g=8, m=2, d=6, e=3, by_v=True)),  # and its rows r in chunks
+    ],
+)
+def test_a_spatial_term_with_more_products_than_logits(form, shape, device, monkeypatch):
+    """A local spatial term with more channels than key elements (e > M) goes through the
+    tile's logits by neighbour and each block's one-hot map, in group layers too: values and
+    gradients against the dense oracle, with dropout, many tiles, blocks and chunks of rows."""
+    monkeypatch.setattr(triton_tiles, "COLUMNS", 1)
+    monkeypatch.setattr(triton_tiles, "MAX_ROWS", 16)
+    chosen = []
+    plan = triton_tiles.plan
+
+    def recorded(*args):
+        launch = plan(*args)
+        chosen.append(launch[3])
+        return launch
+
+    monkeypatch.setattr(triton_tiles, "plan", recorded)
+    _kernel_only(monkeypatch)
+    inputs = _on(device, _inputs(**{**shape, "z": 2, "n_q": 9, "n_kv": 30, "j": 9}))
+    ours = _run(factorised_attention, inputs, form, drop=0.3, backend="triton_tiles")
+    oracle = _run(_dense(0.3), inputs, form)
+    for a, b in zip(ours, oracle, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+    assert chosen[0]["SP_DOT"] and chosen[0]["BG"] > 1
+    assert (chosen[0]["CHUNKS"] > 1) == (shape.get("g") == 8)
+
+
 @pytest.mark.parametrize(("form", "shape"), [CASES[i] for i in (0, 2, 4, 13)])
 def test_float32_matches_the_float64_oracle(form, shape, device):
     inputs = _on(device, _inputs(**{**shape, "z": 1, "n_q": 3}))

@@ -325,14 +325,17 @@ def _logits(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo,
 
 
 @triton.jit
-def _tile_rows(q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL: tl.constexpr,
-               GL_V: tl.constexpr, SINGLE: tl.constexpr, BQ: tl.constexpr, BR: tl.constexpr,
-               BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
-               BE: tl.constexpr):  # fmt: skip
-    """Tile t's rows (:func:`_rows`): zl = z L + i, the halo row of each, which count, r, g,
-    each row's row of rho (r; single form: g), q ``(NR, BD)``, its last c and first e channels,
-    each row's row of the group encoding and the logits' row bias ``(NR, BM)``:
-    log2(e) gl, -inf past M."""
+def _tile_rows(q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J,
+               HAS_GL: tl.constexpr, GL_V: tl.constexpr, SP_DOT: tl.constexpr,
+               SINGLE: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr,
+               BR: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+               BC: tl.constexpr, BE: tl.constexpr, BRV: tl.constexpr,
+               BJ: tl.constexpr):  # fmt: skip
+    """Tile t's rows (:func:`_rows`) and what both kernels hold through the halo loop: zl = z L
+    + i, the halo row of each, which count, r, g, each row's row of rho (r; single form: g) and
+    of the group encoding, q ``(NR, BD)`` split (:func:`_split`), its first e channels ``(NR,
+    BE)`` and the same times log2(e), the logits' row bias ``(NR, BM)`` (log2(e) gl, -inf past
+    M) and with SP_DOT the tile's spatial logits (:func:`_local_logits`; stand-ins else)."""
     iq, r, g, i, live = _rows(t, r0, L, T, G, BQ, BR, BG)
     zl = z * L + i.to(tl.int64)
     q, qe = _queries(q_ptr, zl, g, live, G, d, e, BD, BE)
@@ -348,7 +351,14 @@ def _tile_rows(q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL: tl.conste
         gl = _group_logits(q_ptr, grho_ptr, zl, gr, g, live, G, M, d, c, BM, BC)
         bias = gl * LOG2E
     bias = tl.where(m < M, bias, float("-inf"))
-    return zl, t * BQ + iq, live, r, g, rv, gr, q, qe, bias
+    q_hi, q_lo = _split(q, PRECISION)
+    sp_hi = q_hi  # stand-ins without a local spatial term
+    sp_lo = q_lo
+    if SP_DOT:
+        sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J,
+                                     PRECISION, BQ * BR * BG, BQ, BRV, BE, BJ)  # fmt: skip
+    tq = t * BQ + iq
+    return zl, tq, iq, live, r, g, rv, gr, q_hi, q_lo, qe, qe * LOG2E, bias, sp_hi, sp_lo
 
 
 @triton.jit
@@ -368,21 +378,14 @@ def attention_forward(
     r0 = (pid % CHUNKS) * BR  # the program's rows r: r0 .. r0 + BR
     z = pid // CHUNKS // NT
     t = pid // CHUNKS % NT
-    zl, tq, live, r, g, rv, _gr, q, qe, bias = _tile_rows(
-        q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM, BD,
-        BC, BE,
+    zl, tq, _iq, live, r, g, rv, _gr, q_hi, q_lo, _qe, qe2, bias, sp_hi, sp_lo = _tile_rows(
+        q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J, HAS_GL, GL_V, SP_DOT,
+        SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BRV, BJ,
     )  # fmt: skip
-    qe2 = qe * LOG2E
-    q_hi, q_lo = _split(q, PRECISION)
-    sp_hi = q_hi  # stand-ins without a local spatial term
-    sp_lo = q_lo
-    if SP_DOT:
-        sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, tq - t * BQ, G, d, e, V, D,
-                                     J, PRECISION, NR, BQ, BRV, BE, BJ)  # fmt: skip
     kz = k_ptr + z * Lkv * M * d
     vz = v_ptr + z * Lkv * M * d
     halo = halo_ptr + t * H
-    dtype = q.dtype
+    dtype = q_hi.dtype
 
     top = tl.full((NR,), float("-inf"), dtype)  # in base 2, as the logits
     total = tl.zeros((NR,), dtype)
@@ -429,6 +432,30 @@ def attention_forward(
 
 
 @triton.jit
+def _weights(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, bits_ptr, live, kz, vz, zl, g, lse,
+             q_hi, q_lo, bias, qe, sp_hi, sp_lo, rho_ptr, rv, L, T, M, G, J, d, D, e,
+             HAS_OFFSETS: tl.constexpr, HAS_RHO: tl.constexpr, SP_DOT: tl.constexpr,
+             SINGLE: tl.constexpr, DROP: tl.constexpr, PRECISION: tl.constexpr,
+             BQ: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr, BH: tl.constexpr,
+             BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):  # fmt: skip
+    """A halo block of the backward (:func:`_logits`, from the forward's ``lse`` in base 2):
+    W = exp(x - LSE) and W keep ``(NR, BH BM)``, and the block's values split
+    (:func:`_split`)."""
+    rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x = _logits(
+        h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, sp_hi,
+        sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION,
+        BQ, BR, BG, BH, BM, BD, BE, BJ,
+    )  # fmt: skip
+    w = tl.math.exp2(x - lse[:, None])
+    wk = w
+    if DROP:
+        keep = _keep(bits_ptr, zl, g, slot, counts, G, J, BM)
+        wk = tl.where(tl.reshape(keep, (BQ * BR * BG, BH * BM)), w, 0.0)
+    v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
+    return rows, exists, counts, k_hi, k_lo, table, at, ok, one_hot, w, wk, v_hi, v_lo
+
+
+@triton.jit
 def attention_backward(
     dq_ptr, dk_ptr, dv_ptr, dgrho_ptr, drho_ptr, go_ptr, lse_ptr,
     q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr, row_ptr,
@@ -458,19 +485,11 @@ def attention_backward(
         r0 = (tile % CHUNKS) * BR  # the tile's rows r: r0 .. r0 + BR
         z = tile // CHUNKS // NT
         t = tile // CHUNKS % NT
-        zl, tq, live, r, g, rv, gr, q, qe, bias = _tile_rows(
-            q_ptr, grho_ptr, t, r0, z, L, T, G, M, d, c, e, HAS_GL, GL_V, SINGLE, BQ, BR, BG, BM,
-            BD, BC, BE,
+        zl, tq, iq, live, r, g, rv, gr, q_hi, q_lo, qe, qe2, bias, sp_hi, sp_lo = _tile_rows(
+            q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J, HAS_GL, GL_V,
+            SP_DOT, SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BRV, BJ,
         )  # fmt: skip
-        qe2 = qe * LOG2E
-        q_hi, q_lo = _split(q, PRECISION)
-        iq = tq - t * BQ
-        sp_hi = q_hi  # stand-ins without a local spatial term
-        sp_lo = q_lo
-        if SP_DOT:
-            sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J,
-                                         PRECISION, NR, BQ, BRV, BE, BJ)  # fmt: skip
-        dtype = q.dtype
+        dtype = q_hi.dtype
         kz = k_ptr + z * Lkv * M * d
         vz = v_ptr + z * Lkv * M * d
         dkz = dk_ptr + z * Lkv * M * d
@@ -485,18 +504,13 @@ def attention_backward(
         # 1. A = GO . sum_(h, m) W keep val
         o = tl.zeros((NR, BD), dtype)
         for h0 in range(0, H, BH):
-            rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
-                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
-                sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
-                PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
+            _r, _x, _c, _kh, _kl, _t, _a, _o, _h, _w, wk, v_hi, v_lo = _weights(
+                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, bits_ptr, live, kz, vz, zl, g, lse, q_hi,
+                q_lo, bias, qe2, sp_hi, sp_lo, rho_ptr, rv, L, T, M, G, J, d, D, e, HAS_OFFSETS,
+                HAS_RHO, SP_DOT, SINGLE, DROP, PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
-            w = tl.math.exp2(x - lse[:, None])
-            if DROP:
-                keep = _keep(bits_ptr, zl, g, slot, counts, G, J, BM)
-                w = tl.where(tl.reshape(keep, (NR, BH * BM)), w, 0.0)
-            w_hi, w_lo = _split(w, PRECISION)
-            v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
-            o += _dot(w_hi, w_lo, v_hi, v_lo, PRECISION)
+            wk_hi, wk_lo = _split(wk, PRECISION)
+            o += _dot(wk_hi, wk_lo, v_hi, v_lo, PRECISION)
         big_a = tl.sum(o * go, axis=1)
 
         # 2. gradients
@@ -505,18 +519,12 @@ def attention_backward(
         dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho
         dsp_j = tl.zeros((NR, BQ * BJ), dtype)  # a local term's d sp by (query, neighbour j)
         for h0 in range(0, H, BH):
-            rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x = _logits(
-                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
-                sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE,
-                PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
+            rows, exists, counts, k_hi, k_lo, table, at, ok, one_hot, w, wk, v_hi, v_lo = _weights(
+                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, bits_ptr, live, kz, vz, zl, g, lse, q_hi,
+                q_lo, bias, qe2, sp_hi, sp_lo, rho_ptr, rv, L, T, M, G, J, d, D, e, HAS_OFFSETS,
+                HAS_RHO, SP_DOT, SINGLE, DROP, PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
             )  # fmt: skip
-            w = tl.math.exp2(x - lse[:, None])
-            v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
             dp = _dot(go_hi, go_lo, tl.trans(v_hi), tl.trans(v_lo), PRECISION)
-            wk = w
-            if DROP:
-                keep = tl.reshape(_keep(bits_ptr, zl, g, slot, counts, G, J, BM), (NR, BH * BM))
-                wk = tl.where(keep, w, 0.0)
             dx = wk * dp - w * big_a[:, None]
             dx_hi, dx_lo = _split(dx, PRECISION)
             wk_hi, wk_lo = _split(wk, PRECISION)

@@ -244,6 +244,42 @@ def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
             assert (a.double() - b).abs().max() <= tol * b.abs().max(), (width, reverse)
 
 
+def _entries_of(width: int, rows: int, shift: list[int], rising: bool) -> torch.Tensor:
+    """Spatial table entries ``(width * rows, J)`` of queries laid row by row, as a global
+    layer's: the entry of query (y, x) and neighbour j is that of the offset (shift[j] - x, y'),
+    y' = -y, or y when ``rising``, in a table of offsets sorted by (y', x), rows of 2 width + 8
+    entries: along an image row the entries fall by one."""
+    y, x = torch.arange(rows).repeat_interleave(width), torch.arange(width).repeat(rows)
+    row = y if rising else rows - 1 - y
+    return torch.stack([row * (2 * width + 8) + width + 4 + s - x for s in shift], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["sum", "single"])
+def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
+    """A global layer's tile reads its spatial table at each lane's own entry, off(i, j): one
+    falling run, two (a tile across the end of an image row), two whose second run lies above
+    the first (read lane by lane), several, one entry for every lane; the values and
+    gradients, d rho included, are the oracle's, dropout included."""
+    for width, rising in [(11, False), (11, True), (5, False), (1, False)]:
+        rows = 6
+        offsets = _entries_of(width, rows, [0, 1, 3, 2], rising)
+        if width == 1:
+            offsets[:, 0] = 7  # every query's first neighbour at one entry
+        nb = _rows_of(width, rows, [0, 1, 3, 2])
+        q, k, v, group_rho, _, _, _, valid, n = _inputs(
+            n_q=nb.shape[0], n_kv=(width + 4) * 8, j=4, g=2, m=2, by_v=form == "sum"
+        )
+        gen = torch.Generator().manual_seed(2)
+        rho = torch.randn(n, rows * (2 * width + 8), 2, generator=gen, dtype=torch.float64)
+        inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
+        ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="cpp")
+        oracle = _run(_dense(0.3), inputs, form)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        for a, b in zip(ours, oracle, strict=True):
+            assert (a.double() - b).abs().max() <= tol * b.abs().max(), (width, rising)
+
+
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_threads_give_the_same_values_and_gradients(form, kernel):
     """The kernel splits queries (forward) and batch-heads (backward) among torch's threads;

@@ -52,6 +52,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -136,6 +137,12 @@ V loadu(const S* src) {
 template <typename V, typename S>
 void storeu(S* dst, const V& x) {
   std::memcpy(dst, &x, sizeof x);
+}
+
+// x with its lanes in reverse order (one permute).
+template <typename V, size_t... t>
+V reversed(const V& x, std::index_sequence<t...>) {
+  return __builtin_shufflevector(x, x, (sizeof...(t) - 1 - t)...);
 }
 
 template <typename S>
@@ -230,17 +237,82 @@ struct Tile {
     if (backward) std::fill(demb, demb + p.R * p.c, V{});
   }
 
-  // How the lanes' neighbours j lie in the key axis: at consecutive points (a local tile
-  // within one image row: a vector load), in two runs of consecutive points (a tile across
-  // the end of a row: two vector loads, one blend), at one point (global: broadcasts), or
-  // anywhere. Lane t of run r reads point base_r + t.
-  enum Layout : uint8_t { kConsecutive, kTwoRuns, kSame, kScattered };
-  std::vector<Layout> layout;  // (J)
-  std::vector<int64_t> first;  // (J): the first lane's neighbour, base_0
-  std::vector<int64_t> second;  // (J), two runs: base_1, the second run's first point less
-                                // its lane
-  std::vector<typename Lanes<S>::I> lower;  // (J), two runs: all ones on the first run's lanes
-  std::vector<typename Lanes<S>::I> off;  // (J), with offsets: each lane's off(i, j)
+  // How the indices lanes read from one row of numbers lie: in one run, lane t at base +
+  // step t (step 1: a vector load; -1: a load and a reversal), in two such runs (a tile across
+  // the end of an image row: two loads, one blend), at one index (a broadcast), or anywhere.
+  // Keys lie along step 1 (neighbour j of consecutive queries); a global layer's table
+  // entries off(i, j) along step -1 (the offset x_j - x_i falls as x_i moves right).
+  enum Layout : uint8_t { kOneRun, kTwoRuns, kSame, kScattered };
+  struct Runs {
+    Layout layout = kScattered;
+    int64_t step = 1;
+    int64_t first = 0, second = 0;  // where each run's load starts (its lowest index)
+    typename Lanes<S>::I lower{};  // two runs: all ones on run 0's lanes, in load order
+  };
+  // The runs of the lane indices index[t] (lanes past n repeat the last) along step.
+  static Runs runs(const int64_t* index, int64_t n, int64_t step) {
+    Runs r;
+    r.step = step;
+    bool same = true;
+    int64_t split = T;  // the first lane off run 0
+    for (int64_t t = 0; t < T; ++t) {
+      if (split == T && index[t] != index[0] + step * t) split = t;
+      same &= index[t] == index[0];
+    }
+    // Two runs whose loads stay within the lanes' own indices: run 1's base lies beyond run
+    // 0's along step.
+    const int64_t base = split < T ? index[split] - step * split : index[0];
+    bool two = n == T && split < T && step * (base - index[0]) >= 0;
+    for (int64_t t = split; two && t < T; ++t) two = index[t] == base + step * t;
+    r.layout = n == T && split == T ? kOneRun : two ? kTwoRuns : same ? kSame : kScattered;
+    const int64_t back = step < 0 ? T - 1 : 0;  // a reversed run's load starts T - 1 lower
+    r.first = index[0] - back, r.second = base - back;
+    for (int64_t t = 0; t < T; ++t) r.lower[step < 0 ? T - 1 - t : t] = t < split ? -1 : 0;
+    return r;
+  }
+  // Lanes in load order to lane order or back (the same permutation both ways).
+  static V oriented(const V& x, const Runs& r) {
+    return r.step > 0 ? x : reversed(x, std::make_index_sequence<T>{});
+  }
+  // Lane t of row[index[t]], the indices laid out as r.
+  static V read(const S* row, const Runs& r, const int64_t* index) {
+    switch (r.layout) {
+      case kOneRun:
+        return oriented(loadu<V>(row + r.first), r);
+      case kTwoRuns:
+        return oriented(r.lower ? loadu<V>(row + r.first) : loadu<V>(row + r.second), r);
+      case kSame:
+        return V{} + row[index[0]];
+      default:
+        return lanes(row, index);
+    }
+  }
+  // Adds lane t of x to row[index[t]], t < n (read's scatter).
+  void add(S* row, const Runs& r, const V& x, const int64_t* index) const {
+    switch (r.layout) {
+      case kOneRun:
+        storeu(row + r.first, loadu<V>(row + r.first) + oriented(x, r));
+        break;
+      case kTwoRuns: {  // each run adds 0 on the other's lanes
+        const V y = oriented(x, r), zero{};
+        storeu(row + r.first, loadu<V>(row + r.first) + (r.lower ? y : zero));
+        storeu(row + r.second, loadu<V>(row + r.second) + (r.lower ? zero : y));
+        break;
+      }
+      case kSame: {
+        S sum = 0;
+        for (int64_t t = 0; t < n; ++t) sum += x[t];
+        row[index[0]] += sum;
+        break;
+      }
+      default:
+        for (int64_t t = 0; t < n; ++t) row[index[t]] += x[t];
+    }
+  }
+  std::vector<Runs> keys;  // (J): neighbour j's points in the key axis
+  std::vector<int64_t> key_index;  // (J, T)
+  std::vector<Runs> entries;  // (J), with offsets: the table entries off(i, j) of the lanes
+  std::vector<int64_t> entry_index;  // (J, T)
 
   // Lane t of src[index[t]].
   static V lanes(const S* src, const int64_t* index) {
@@ -260,74 +332,26 @@ struct Tile {
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t c = 0; c < d; ++c) q[g * d + c] = row_at(p.q + p.row(z, g, c, G) * p.L);
-    layout.resize(J);
-    first.resize(J);
-    second.resize(J);
-    lower.resize(J);
+    keys.resize(J);
+    key_index.resize(J * T);
     if (p.offsets) {
-      off.resize(J);
-      for (int64_t j = 0; j < J; ++j)
-        for (int64_t t = 0; t < T; ++t) off[j][t] = p.offsets[i[t] * J + j];
+      entries.resize(J);
+      entry_index.resize(J * T);
     }
-    int64_t index[T];
     for (int64_t j = 0; j < J; ++j) {
-      bool same = true;
-      int64_t split = T;  // the first lane off the first run
-      for (int64_t t = 0; t < T; ++t) {
-        index[t] = p.nb[i[t] * J + j];
-        if (split == T && index[t] != index[0] + t) split = t;
-        same &= index[t] == index[0];
+      int64_t* index = key_index.data() + j * T;
+      for (int64_t t = 0; t < T; ++t) index[t] = p.nb[i[t] * J + j];
+      keys[j] = runs(index, n, 1);
+      if (p.offsets) {
+        int64_t* entry = entry_index.data() + j * T;
+        for (int64_t t = 0; t < T; ++t) entry[t] = p.offsets[i[t] * J + j];
+        entries[j] = runs(entry, n, -1);
       }
-      // Two runs whose loads stay within [index[0], index[T-1]]: the second starts past the
-      // first's lanes (base_1 >= base_0) and runs to the last lane.
-      bool two = n == T && split < T && index[split] - split >= index[0];
-      for (int64_t t = split; two && t < T; ++t) two = index[t] == index[split] + (t - split);
-      layout[j] = n == T && split == T ? kConsecutive : two ? kTwoRuns : same ? kSame : kScattered;
-      first[j] = index[0];
-      second[j] = two ? index[split] - split : index[0];
-      for (int64_t t = 0; t < T; ++t) lower[j][t] = t < split ? -1 : 0;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = 0; c < d; ++c) {
           const int64_t at = p.row(z, m, c, M) * Lkv, mc = (j * M + m) * d + c;
-          const S *k_row = p.k + at, *v_row = p.v + at;
-          switch (layout[j]) {
-            case kConsecutive:
-              kg[mc] = loadu<V>(k_row + index[0]), vg[mc] = loadu<V>(v_row + index[0]);
-              break;
-            case kTwoRuns:
-              kg[mc] = lower[j] ? loadu<V>(k_row + index[0]) : loadu<V>(k_row + second[j]);
-              vg[mc] = lower[j] ? loadu<V>(v_row + index[0]) : loadu<V>(v_row + second[j]);
-              break;
-            case kSame:
-              kg[mc] = V{} + k_row[index[0]], vg[mc] = V{} + v_row[index[0]];
-              break;
-            default:
-              kg[mc] = lanes(k_row, index), vg[mc] = lanes(v_row, index);
-          }
+          kg[mc] = read(p.k + at, keys[j], index), vg[mc] = read(p.v + at, keys[j], index);
         }
-    }
-  }
-
-  // Adds lane t of x to dst[index of lane t's neighbour j], t < n (the scatter of load).
-  void scatter_add(const Problem<S>& p, int64_t j, S* row, const V& x) const {
-    switch (layout[j]) {
-      case kConsecutive:
-        storeu(row + first[j], loadu<V>(row + first[j]) + x);
-        break;
-      case kTwoRuns: {  // each run adds 0 on the other's lanes
-        const V zero{};
-        storeu(row + first[j], loadu<V>(row + first[j]) + (lower[j] ? x : zero));
-        storeu(row + second[j], loadu<V>(row + second[j]) + (lower[j] ? zero : x));
-        break;
-      }
-      case kSame: {
-        S sum = 0;
-        for (int64_t t = 0; t < n; ++t) sum += x[t];
-        row[first[j]] += sum;
-        break;
-      }
-      default:
-        for (int64_t t = 0; t < n; ++t) row[p.nb[i[t] * p.J + j]] += x[t];
     }
   }
 
@@ -345,24 +369,20 @@ struct Tile {
       for (int64_t c = 0; c < p.e; ++c) r[c] = V{} + p.rho[(row * p.D + j) * p.e + c];
       return;
     }
-    for (int64_t c = 0; c < p.e; ++c) {  // lane by lane from one row of D (a vector gather)
-      const S* src = p.rho_t + (row * p.e + c) * p.D;
-      for (int64_t t = 0; t < T; ++t) r[c][t] = src[off[j][t]];
-    }
+    for (int64_t c = 0; c < p.e; ++c)  // from one row of D
+      r[c] = read(p.rho_t + (row * p.e + c) * p.D, entries[j], entry_index.data() + j * T);
   }
 
   // Adds dr (e) to d rho[row, off(i, j)]: lane by lane into the local table's vectors, or
-  // per lane t < n into d rho_t (V, e, D) at its own offset.
+  // into d rho_t (V, e, D) at each lane's own entry.
   void scatter_rho(const Problem<S>& p, V* local, S* drho, int64_t row, int64_t j,
                    const V* dr) const {
     if (!p.offsets) {
       for (int64_t c = 0; c < p.e; ++c) local[(row * p.J + j) * p.e + c] += dr[c];
       return;
     }
-    for (int64_t c = 0; c < p.e; ++c) {
-      S* dst = drho + (row * p.e + c) * p.D;
-      for (int64_t t = 0; t < n; ++t) dst[off[j][t]] += dr[c][t];
-    }
+    for (int64_t c = 0; c < p.e; ++c)
+      add(drho + (row * p.e + c) * p.D, entries[j], dr[c], entry_index.data() + j * T);
   }
 
   // Adds neighbour j's dk and dv rows (dkg, dvg) to the inputs' gradients (Z, d, M, Lkv);
@@ -371,8 +391,8 @@ struct Tile {
     for (int64_t m = 0; m < p.M; ++m)
       for (int64_t c = 0; c < p.d; ++c) {
         const int64_t at = p.row(z, m, c, p.M) * p.Lkv;
-        scatter_add(p, j, dk + at, dkg[m * p.d + c]);
-        scatter_add(p, j, dv + at, dvg[m * p.d + c]);
+        add(dk + at, keys[j], dkg[m * p.d + c], key_index.data() + j * T);
+        add(dv + at, keys[j], dvg[m * p.d + c], key_index.data() + j * T);
       }
   }
 

@@ -347,8 +347,10 @@ class GroupSelfAttention(nn.Module):
         q, k, v = (t.permute(0, 3, 2, 1) for t in self._qkv(x))  # (Z, I, M, d), views
         offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
         scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
-        # rho_xy once per distinct offset ((2H-1)(2W-1) on a grid), indexed per pair
-        distinct, index = torch.unique(offsets.reshape(-1, 2), dim=0, return_inverse=True)
+        # rho_xy once per distinct offset ((2H-1)(2W-1) on a grid), indexed per pair; sorted
+        # by (y, x), so that the queries along an image row read consecutive (falling) entries
+        yx, index = torch.unique(offsets.flip(-1).reshape(-1, 2), dim=0, return_inverse=True)
+        distinct = yx.flip(-1)
         rho_xy, rho_h = self._encodings(distinct, scale)  # (V, D, E)
         everyone = torch.arange(n_points, device=x.device).expand(n_points, n_points)  # (I, J)
         index = index.view(n_points, n_points)  # (I, J) into D

@@ -282,21 +282,23 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
 
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_threads_give_the_same_values_and_gradients(form, kernel):
-    """The kernel splits queries (forward) and batch-heads (backward) among torch's threads;
-    one thread or three, the same numbers (up to the order of the per-thread d_rho sums)."""
-    inputs = _inputs(z=5, n_q=9, local=False)
+    """The kernel splits tiles of queries among torch's threads, in both passes; a batch-head
+    whose tiles two threads share (2 batch-heads of 5 tiles of 8 doubles over 3 threads) gets
+    its dk and dv summed after them. One thread or three, the same numbers (up to the order of
+    the per-thread sums)."""
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-        torch.set_num_threads(3)
-        parallel = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-        repeat = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-    finally:
-        torch.set_num_threads(threads)
-    for a, b, c in zip(serial, parallel, repeat, strict=True):
-        assert torch.allclose(a, b, rtol=0, atol=1e-13 * b.abs().max())
-        assert torch.equal(b, c)  # deterministic for a thread count
+    for inputs in [_inputs(z=5, n_q=9, local=False), _inputs(z=2, n_q=40, n_kv=12)]:
+        try:
+            torch.set_num_threads(1)
+            serial = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
+            torch.set_num_threads(3)
+            parallel = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
+            repeat = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
+        finally:
+            torch.set_num_threads(threads)
+        for a, b, c in zip(serial, parallel, repeat, strict=True):
+            assert torch.allclose(a, b, rtol=0, atol=1e-13 * b.abs().max())
+            assert torch.equal(b, c)  # deterministic for a thread count
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES[:5])

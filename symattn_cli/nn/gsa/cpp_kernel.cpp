@@ -385,12 +385,12 @@ struct Tile {
       add(drho + (row * p.e + c) * p.D, entries[j], dr[c], entry_index.data() + j * T);
   }
 
-  // Adds neighbour j's dk and dv rows (dkg, dvg) to the inputs' gradients (Z, d, M, Lkv);
-  // outside neighbours add 0 (beta = 0).
+  // Adds neighbour j's dk and dv rows (dkg, dvg) to the tile's batch-head of the inputs'
+  // gradients, dk and dv (d, M, Lkv); outside neighbours add 0 (beta = 0).
   void scatter_kv(const Problem<S>& p, int64_t j, S* dk, S* dv) const {
     for (int64_t m = 0; m < p.M; ++m)
       for (int64_t c = 0; c < p.d; ++c) {
-        const int64_t at = p.row(z, m, c, p.M) * p.Lkv;
+        const int64_t at = p.row(0, m, c, p.M) * p.Lkv;
         add(dk + at, keys[j], dkg[m * p.d + c], key_index.data() + j * T);
         add(dv + at, keys[j], dvg[m * p.d + c], key_index.data() + j * T);
       }
@@ -708,11 +708,12 @@ void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
 
 template <typename S>
 struct Grads {
-  S *dq, *dk, *dv, *drho;  // drho: null when absent; this thread's sum
+  S *dq, *dk, *dv, *drho;  // dk, dv: the tile's batch-head; drho: null when absent, this
+                           // thread's sum
 };
 
-// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, d, G, L),
-// dk and dv (Z, d, M, Lkv) are laid out as their inputs; drho_local (V, J, e) collects a
+// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, d, G, L)
+// is laid out as q, dk and dv (d, M, Lkv) as the tile's batch-head of k and v; drho_local (V, J, e) collects a
 // local layer's d rho lane by lane, tl.demb the group embedding's.
 template <typename S>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
@@ -934,8 +935,8 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
   TORCH_CHECK(!single || q.size(2) == n, "the single form needs G = V");
 }
 
-// rho (V, D, e) as (V, e, D) where offsets index it: a lane's entries are then read by one
-// gather per channel.
+// rho (V, D, e) as (V, e, D) where offsets index it: the lanes' entries of one channel then lie
+// in one row of D.
 Tensor transposed_table(const OptTensor& rho, const OptTensor& offsets) {
   return rho && offsets ? rho->transpose(1, 2).contiguous() : Tensor();
 }
@@ -998,26 +999,47 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed,
                               rho_t);
     const S* go = grad_out.data_ptr<S>();
-    const int64_t rho_size = rho ? rho->numel() : 0;
-    at::parallel_for(0, p.Z, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rho_size = rho ? rho->numel() : 0, tiles = (p.L + T - 1) / T;
+    const int64_t slab = p.d * p.M * p.Lkv;  // one batch-head of dk or dv
+    // The threads take consecutive tiles. A batch-head whose tiles two threads share gets its
+    // dk and dv from each in a slab of that thread's own (at most two: its range's first and
+    // last batch-heads), added after the threads in their order.
+    std::vector<int64_t> shared_z(2 * threads, -1);
+    Tensor shared = at::zeros({threads, 2, 2, slab}, q.options());
+    at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
       Tile<S> tl(p, true);
-      S* drho = rho ? drho_parts.data_ptr<S>() + at::get_thread_num() * rho_size : nullptr;
-      const Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>(), dv.data_ptr<S>(), drho};
+      const int64_t thread = at::get_thread_num();
+      S* drho = rho ? drho_parts.data_ptr<S>() + thread * rho_size : nullptr;
       std::vector<V> drho_local(rho && !offsets ? p.V * p.J * p.e : 0);  // zeros
-      for (int64_t z = begin; z < end; ++z)
-        for (int64_t i0 = 0; i0 < p.L; i0 += T) {
-          tl.load(p, z, i0);
-          forward_tile(p, tl);
-          backward_tile(p, tl, go, gr, drho_local.data());
+      for (int64_t zt = begin; zt < end; ++zt) {
+        const int64_t z = zt / tiles;
+        Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>() + z * slab, dv.data_ptr<S>() + z * slab,
+                    drho};
+        if (z * tiles < begin || (z + 1) * tiles > end) {  // shared with another thread
+          const int64_t side = z * tiles < begin ? 0 : 1;
+          shared_z[2 * thread + side] = z;
+          S* own = shared.data_ptr<S>() + (thread * 2 + side) * 2 * slab;
+          gr.dk = own, gr.dv = own + slab;
         }
+        tl.load(p, z, (zt % tiles) * T);
+        forward_tile(p, tl);
+        backward_tile(p, tl, go, gr, drho_local.data());
+      }
       for (size_t a = 0; a < drho_local.size(); ++a)
         for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];
       if (emb) {
-        S* demb = demb_parts.data_ptr<S>() + at::get_thread_num() * p.R * p.c;
+        S* demb = demb_parts.data_ptr<S>() + thread * p.R * p.c;
         for (int64_t a = 0; a < p.R * p.c; ++a)
           for (int64_t t = 0; t < T; ++t) demb[a] += tl.demb[a][t];
       }
     });
+    for (int64_t a = 0; a < 2 * threads; ++a) {
+      const int64_t z = shared_z[a];
+      if (z < 0) continue;
+      const S* own = shared.data_ptr<S>() + a * 2 * slab;
+      S *dkz = dk.data_ptr<S>() + z * slab, *dvz = dv.data_ptr<S>() + z * slab;
+      for (int64_t x = 0; x < slab; ++x) dkz[x] += own[x], dvz[x] += own[slab + x];
+    }
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();
   if (offsets && rho) drho = drho.transpose(1, 2).contiguous();

@@ -40,9 +40,10 @@
 // The group logits are gathered per tile, never stored: gl[v,m,g] = tq[g, gidx[v,g,m]] with
 // tq[g,r] = q[g,d-c:] . emb[r] (G R c products per query instead of V M G c); the backward
 // sums dgl into dtq by the same index, then dq[g,d-c:] += dtq[g] emb, d emb += dtq^T q.
-// The forward runs in parallel over tiles; the backward over z, which owns its rows of dk and
-// dv; drho is summed per thread, then over threads in order (deterministic for a thread
-// count).
+// Both passes run in parallel over tiles, each thread a range of consecutive (z, tile) pairs.
+// The backward adds dk and dv into z's rows where the thread holds all of z's tiles, else into
+// a slab of its own; those slabs, d rho and d emb are summed per thread, then over threads in
+// order (deterministic for a thread count).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import symattn_cli.nn.gsa.core as core
-from symattn_cli.groups import GROUP_NAMES, get_group
+from symattn_cli.groups import GROUP_NAMES, get_group, grid_coordinates
 from symattn_cli.nn.gsa import GROUP_INDEX, GroupSelfAttention
+from symattn_cli.nn.gsa.layer import offset_table
 from symattn_cli.verify.gsa import build_probe, layer_equivariance, randomize_encodings
 from tests.helpers import values_and_gradients
 
@@ -308,3 +309,23 @@ def test_mixed_precision_forward_and_backward(group):
     # index at this seed
     cosine = torch.nn.functional.cosine_similarity(grad16.float(), grad32, dim=0)
     assert cosine > 0.97, cosine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_offset_table_sorts_the_distinct_offsets_by_y_then_x(dtype):
+    """A global layer's table of distinct offsets and each pair's index equal those of one
+    sort of (y, x) rows, on a grid and on random points; on a grid, consecutive queries of an
+    image row read entries that fall by one."""
+    grid = grid_coordinates(5, 7, dtype=dtype).reshape(-1, 2)
+    points = torch.randn(40, 2, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for coords in (grid, points, points.round()):  # rounded: repeated offsets off a grid
+        offsets = coords[None] - coords[:, None]
+        distinct, index = offset_table(offsets)
+        yx, expected = torch.unique(offsets.flip(-1).reshape(-1, 2), dim=0, return_inverse=True)
+        assert torch.equal(distinct, yx.flip(-1))
+        assert torch.equal(index, expected.view(index.shape))
+        assert torch.equal(distinct[index], offsets)
+    distinct, index = offset_table(grid[None] - grid[:, None])
+    assert distinct.shape == (9 * 13, 2)
+    rows = index.view(5, 7, -1)  # (query row, query column, J)
+    assert torch.equal(rows[:, 1:] - rows[:, :-1], torch.full_like(rows[:, 1:], -1))

@@ -223,6 +223,15 @@ def _rows_of(width: int, rows: int, shift: list[int], reverse: bool = False) -> 
     return torch.stack([(y + 1) * (width + 4) + x + s for s in shift], dim=1)
 
 
+def _assert_the_kernel_gives_the_oracles(inputs, form, dtype, case):
+    """The C++ kernel's values and gradients against the oracle's, dropout included."""
+    ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="cpp")
+    oracle = _run(_dense(0.3), inputs, form)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for a, b in zip(ours, oracle, strict=True):
+        assert (a.double() - b).abs().max() <= tol * b.abs().max(), case
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
@@ -237,11 +246,7 @@ def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
             n_q=nb.shape[0], n_kv=(width + 4) * 8, j=4, g=2, m=2, by_v=form == "sum"
         )
         inputs = (q, k, v, group_rho, rho, None, nb, valid, n)
-        ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="cpp")
-        oracle = _run(_dense(0.3), inputs, form)
-        tol = 1e-10 if dtype == torch.float64 else 1e-5
-        for a, b in zip(ours, oracle, strict=True):
-            assert (a.double() - b).abs().max() <= tol * b.abs().max(), (width, reverse)
+        _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, reverse))
 
 
 def _entries_of(width: int, rows: int, shift: list[int], rising: bool) -> torch.Tensor:
@@ -273,11 +278,7 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
         gen = torch.Generator().manual_seed(2)
         rho = torch.randn(n, rows * (2 * width + 8), 2, generator=gen, dtype=torch.float64)
         inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
-        ours = _run(factorised_attention, inputs, form, dtype, drop=0.3, backend="cpp")
-        oracle = _run(_dense(0.3), inputs, form)
-        tol = 1e-10 if dtype == torch.float64 else 1e-5
-        for a, b in zip(ours, oracle, strict=True):
-            assert (a.double() - b).abs().max() <= tol * b.abs().max(), (width, rising)
+        _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, rising))
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])

@@ -355,15 +355,17 @@ class GroupSelfAttention(nn.Module):
 
 
 def offset_table(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct offsets of ``offsets`` ``(I, J, 2)`` in (x, y) order, sorted by (y, x):
-    ``(D, 2)`` ((2H-1)(2W-1) on a grid), and the index of each pair's offset ``(I, J)``.
-    Sorted by y first, the queries along an image row read consecutive, falling entries.
-    Three sorts of numbers (x, y, then the pairs' (y, x) ranks as one integer) in place of one
-    sort of rows, which is several times slower."""
+    """The distinct offsets of ``offsets`` ``(I, J, 2)`` in (x, y) order, ``(D, 2)``
+    ((2H-1)(2W-1) on a grid), and the index of each pair's offset ``(I, J)``. Sorted by y
+    downwards (the image's row order), then x: the queries along an image row read
+    consecutive entries, falling by one, and the next row's lower ones. Three sorts of
+    numbers (x, y, then the pairs' (y, x) ranks as one integer) in place of one sort of rows,
+    which is several times slower."""
     ux, ix = torch.unique(offsets[..., 0], return_inverse=True)
     uy, iy = torch.unique(offsets[..., 1], return_inverse=True)
-    keys, index = torch.unique(iy * len(ux) + ix, return_inverse=True)
-    return torch.stack([ux[keys % len(ux)], uy[keys // len(ux)]], dim=-1), index
+    down = len(uy) - 1 - iy  # y's rank from the top
+    keys, index = torch.unique(down * len(ux) + ix, return_inverse=True)
+    return torch.stack([ux[keys % len(ux)], uy.flip(0)[keys // len(ux)]], dim=-1), index
 
 
 def group_index_table(group: Group, kind: str) -> tuple[int, torch.Tensor]:

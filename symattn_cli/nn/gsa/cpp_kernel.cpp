@@ -722,8 +722,8 @@ struct Grads {
 };
 
 // Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, d, G, L)
-// is laid out as q, dk and dv (d, M, Lkv) as the tile's batch-head of k and v; drho_local (V, J, e) collects a
-// local layer's d rho lane by lane, tl.demb the group embedding's.
+// is laid out as q, dk and dv (d, M, Lkv) as the tile's batch-head of k and v; drho_local
+// (V, J, e) collects a local layer's d rho lane by lane, tl.demb the group embedding's.
 template <typename S>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
                    typename Tile<S>::V* drho_local) {
@@ -1012,9 +1012,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     const int64_t slab = p.d * p.M * p.Lkv;  // one batch-head of dk or dv
     // The threads take consecutive tiles. A batch-head whose tiles two threads share gets its
     // dk and dv from each in a slab of that thread's own (at most two: its range's first and
-    // last batch-heads), added after the threads in their order.
+    // last batch-heads), zeroed on first use and added after the threads in their order.
     std::vector<int64_t> shared_z(2 * threads, -1);
-    Tensor shared = at::zeros({threads, 2, 2, slab}, q.options());
+    Tensor shared = at::empty({threads, 2, 2, slab}, q.options());
     at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
       Tile<S> tl(p, true);
       const int64_t thread = at::get_thread_num();
@@ -1026,8 +1026,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
                     drho};
         if (z * tiles < begin || (z + 1) * tiles > end) {  // shared with another thread
           const int64_t side = z * tiles < begin ? 0 : 1;
-          shared_z[2 * thread + side] = z;
           S* own = shared.data_ptr<S>() + (thread * 2 + side) * 2 * slab;
+          if (shared_z[2 * thread + side] != z) std::fill(own, own + 2 * slab, S(0));
+          shared_z[2 * thread + side] = z;
           gr.dk = own, gr.dv = own + slab;
         }
         tl.load(p, z, (zt % tiles) * T);

@@ -359,8 +359,7 @@ def offset_table(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ((2H-1)(2W-1) on a grid), and the index of each pair's offset ``(I, J)``. Sorted by y
     downwards (the image's row order), then x: the queries along an image row read
     consecutive entries, falling by one, and the next row's lower ones. Three sorts of
-    numbers (x, y, then the pairs' (y, x) ranks as one integer) in place of one sort of rows,
-    which is several times slower."""
+    numbers (x, y, then the pairs' (y, x) ranks as one integer), not a sort of (I J, 2) rows."""
     ux, ix = torch.unique(offsets[..., 0], return_inverse=True)
     uy, iy = torch.unique(offsets[..., 1], return_inverse=True)
     down = len(uy) - 1 - iy  # y's rank from the top

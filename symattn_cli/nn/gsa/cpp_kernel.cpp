@@ -189,7 +189,7 @@ struct Tile {
   int64_t i[T];          // query of each lane
   Tensor memory;         // 64-byte aligned; the arrays below point into it
   // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
-  // and the output rows (V, d) after it;
+  // and the output rows (V, d) after it (backward: one neighbour's W (G, d));
   // beta (rows, J, G); r (e); pk (M, G): one neighbour's pi keep, or a d rho row (e);
   // rho_local (V, J, e): a local sum-form layer's table, broadcast to every lane; emb_lanes
   // (R, c): the group embedding, broadcast; tq (G, R): q[g, d-c:] . emb[r]
@@ -200,9 +200,9 @@ struct Tile {
   // u (K, J, G): outer logits less lse; pv (V, J, M): P
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
-  // backward: go (V, d); dw (J, G, d); dt (rows, J, G); dlse (J, G); dq (G, d);
-  // dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G); dgl (M, G), by_v
-  // (V, M, G); by_v: dpv (V, J, M);
+  // backward: go (V, d); dw (G, d): one neighbour's dW; dt (rows, J, G); dlse (J, G); dq
+  // (G, d); dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G) by_v, else one
+  // neighbour's (M, G); dgl (M, G), by_v (V, M, G); by_v: dpv (V, J, M);
   // dtq (G, R); demb (R, c): this thread's d emb, lane by lane, over all its tiles
   V *go, *dw, *dt, *dlse, *dq, *dkg, *dvg, *dc, *dgl, *dpv, *dtq, *demb;
 
@@ -210,15 +210,15 @@ struct Tile {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, b = backward, bv = p.by_v;
     const int64_t gl_rows = bv ? p.V : 1, JMG = J * M * G;
     const int64_t sizes[] = {G * d, J * M * d, J * M * d, gl_rows * M * G, JMG,
-                             p.threshold ? JMG : 0, J * G, J * G, (J * G + p.V) * d,
+                             p.threshold ? JMG : 0, J * G, J * G, b ? G * d : (J * G + p.V) * d,
                              (bv ? 1 : p.rows()) * J * G, std::max<int64_t>(p.e, 1),
                              std::max(M * G, p.e), p.spatial_table() ? p.V * J * p.e : 0,
                              p.R * p.c, G * p.R,
                              bv * JMG, bv && p.threshold ? JMG : 0, bv * JMG,
                              bv && p.threshold ? JMG : 0, bv * M * G,
                              bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
-                             b * p.V * d, b * J * G * d, b * p.rows() * J * G, b * J * G,
-                             b * G * d, b * M * d, b * M * d, b * JMG,
+                             b * p.V * d, b * G * d, b * p.rows() * J * G, b * J * G,
+                             b * G * d, b * M * d, b * M * d, b * (bv ? JMG : M * G),
                              b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
                              b * p.R * p.c};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
@@ -528,9 +528,10 @@ void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename 
 }
 
 // gl, pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
-// parts every v shares (group_row completes them per v).
+// parts every v shares (group_row completes them per v). In the backward (go loaded), W is
+// not kept: each neighbour's W[j] gives dbeta[k, j, g] = go[k] . W[j, g] at once, into dt.
 template <typename S>
-void forward_tile(const Problem<S>& p, Tile<S>& tl) {
+void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, M = p.M, J = p.J, d = p.d;
@@ -581,9 +582,18 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl) {
         for (int64_t mg = 0; mg < M * G; ++mg) tl.e0k[j * M * G + mg] = pj[mg] * kp[mg];
     }
     // W[j, g] = sum_m pi keep[j, m, g] v[j, m]
-    if (!p.by_v)
-      contract<V>(tl.w + j * G * d, d, 1, {tl.kept(p, j), 1, G}, {tl.vg + j * M * d, 1, d}, G,
-                  d, M, false);
+    if (p.by_v) continue;
+    V* wj = backward ? tl.w : tl.w + j * G * d;
+    contract<V>(wj, d, 1, {tl.kept(p, j), 1, G}, {tl.vg + j * M * d, 1, d}, G, d, M, false);
+    if (backward && p.single) {  // dbeta[j, g] = go[g] . W[j, g]
+      for (int64_t g = 0; g < G; ++g) {
+        V sum{};
+        for (int64_t c = 0; c < d; ++c) sum += tl.go[g * d + c] * wj[g * d + c];
+        tl.dt[j * G + g] = sum;
+      }
+    } else if (backward) {  // dbeta[k, j, g] = go[k] . W[j, g]
+      contract<V>(tl.dt + j * G, J * G, 1, {tl.go, d, 1}, {wj, d, 1}, p.rows(), G, d, false);
+    }
   }
   if (p.by_v) {  // u[k] = s[k] (outside: -inf), to which each v adds its lse
     for (int64_t k = 0; k < p.K; ++k) outer_logits(p, tl, k, tl.u + k * J * G, nullptr);
@@ -721,26 +731,34 @@ struct Grads {
                            // thread's sum
 };
 
-// Gradients of a tile whose forward quantities are computed; go (Z, d, V, L). dq (Z, d, G, L)
-// is laid out as q, dk and dv (d, M, Lkv) as the tile's batch-head of k and v; drho_local
-// (V, J, e) collects a local layer's d rho lane by lane, tl.demb the group embedding's.
+// tl.go (V, d): go (Z, d, V, L) at the tile's queries times the dropout's rescaling; 0 on lanes
+// without a query of their own. Where every v had the same weights (one row, sum form), their
+// gradients add up in row 0.
 template <typename S>
-void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>& gr,
-                   typename Tile<S>::V* drho_local) {
+void load_go(const Problem<S>& p, Tile<S>& tl, const S* go) {
   using V = typename Tile<S>::V;
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
-  const int64_t rows = p.rows();
-  // go at the tile's queries times the dropout's rescaling, (V, d); 0 on lanes without a
-  // query of their own
+  const int64_t d = p.d;
   V valid_lane{};
   for (int64_t t = 0; t < tl.n; ++t) valid_lane[t] = p.scale;
   for (int64_t v = 0; v < p.V; ++v)
     for (int64_t c = 0; c < d; ++c)
       tl.go[v * d + c] = tl.row_at(go + ((tl.z * d + c) * p.V + v) * p.L) * valid_lane;
-  if (!p.single && rows == 1) {  // every v had the same weights: their gradients add up
+  if (!p.single && p.rows() == 1) {
     for (int64_t v = 1; v < p.V; ++v)
       for (int64_t c = 0; c < d; ++c) tl.go[c] += tl.go[v * d + c];
   }
+}
+
+// Gradients of a tile whose go is loaded and whose forward quantities are computed (with
+// dbeta in dt where not by_v). dq (Z, d, G, L) is laid out as q, dk and dv (d, M, Lkv) as the
+// tile's batch-head of k and v; drho_local (V, J, e) collects a local layer's d rho lane by
+// lane, tl.demb the group embedding's.
+template <typename S>
+void backward_tile(const Problem<S>& p, Tile<S>& tl, const Grads<S>& gr,
+                   typename Tile<S>::V* drho_local) {
+  using V = typename Tile<S>::V;
+  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
+  const int64_t rows = p.rows();
   std::fill(tl.dq, tl.dq + G * d, V{});
   if (p.by_v) {
     const int64_t MG = M * G, JM = J * M;
@@ -775,23 +793,15 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
           }
         }
     }
-    // dv[j, m] = sum_v P[v, j, m] go[v];  dk[j, m] = sum_g DC[j, m, g] q[g]
+    // dv[j, m] = sum_v P[v, j, m] go[v];  dk[j, m] = sum_g DC[j, m, g] q[g];
+    // dq[g] += sum_m DC[j, m, g] k[j, m]
     for (int64_t j = 0; j < J; ++j) {
+      const V* dc = tl.dc + j * MG;
       contract<V>(tl.dvg, d, 1, {tl.pv + j * M, 1, JM}, {tl.go, 1, d}, M, d, p.V, false);
-      contract<V>(tl.dkg, d, 1, {tl.dc + j * MG, G, 1}, {tl.q, 1, d}, M, d, G, false);
+      contract<V>(tl.dkg, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
+      contract<V>(tl.dq, d, 1, {dc, 1, G}, {tl.kg + j * M * d, 1, d}, G, d, M, true);
       tl.scatter_kv(p, j, gr.dk, gr.dv);
     }
-  } else if (p.single) {  // dbeta (into dt) and dW
-    // dbeta[j, g] = go[g] . W[j, g];  dW[j, g] = beta[j, g] go[g]
-    for (int64_t g = 0; g < G; ++g)
-      contract<V>(tl.dt + g, 0, G, {tl.go + g * d, 0, 1}, {tl.w + g * d, G * d, 1}, 1, J, d, false);
-    for (int64_t j = 0; j < J; ++j)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < d; ++c)
-          tl.dw[(j * G + g) * d + c] = tl.beta[j * G + g] * tl.go[g * d + c];
-  } else {  // dbeta[k, j, g] = go[k] . W[j, g];  dW[j, g] = sum_k beta[k, j, g] go[k]
-    contract<V>(tl.dt, J * G, 1, {tl.go, d, 1}, {tl.w, d, 1}, rows, J * G, d, false);
-    contract<V>(tl.dw, d, 1, {tl.beta, 1, J * G}, {tl.go, 1, d}, J * G, d, rows, false);
   }
   // softmax over j: dt = beta (dbeta - sum_j beta dbeta); dlse = sum_k dt
   std::fill(tl.dlse, tl.dlse + J * G, V{});
@@ -830,8 +840,15 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
   if (p.emb && !p.by_v) std::fill(tl.dgl, tl.dgl + M * G, V{});
   for (int64_t j = 0; j < J && !p.by_v; ++j) {
     const V* pj = tl.pi + j * M * G;
-    const V* dwj = tl.dw + j * G * d;
-    V* dc = tl.dc + j * M * G;
+    const V* kj = tl.kg + j * M * d;
+    V *dwj = tl.dw, *dc = tl.dc;
+    // dW[j, g] = sum_k beta[k, j, g] go[k] (single: beta[j, g] go[g])
+    if (p.single) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < d; ++c) dwj[g * d + c] = tl.beta[j * G + g] * tl.go[g * d + c];
+    } else {
+      contract<V>(dwj, d, 1, {tl.beta + j * G, 1, J * G}, {tl.go, 1, d}, G, d, rows, false);
+    }
     // dpi[m, g] = keep (v[j, m] . dW[j, g]), into dc;  dv[j, m] = sum_g pi keep dW[j, g]
     contract<V>(dc, G, 1, {tl.vg + j * M * d, d, 1}, {dwj, d, 1}, M, G, d, false);
     if (p.threshold)
@@ -844,12 +861,11 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const S* go, const Grads<S>
     }
     if (p.emb)
       for (int64_t mg = 0; mg < M * G; ++mg) tl.dgl[mg] += dc[mg];
-    // dk[j, m] = sum_g dc[m, g] q[g]
+    // dk[j, m] = sum_g dc[m, g] q[g];  dq[g] += sum_m dc[m, g] k[j, m]
     contract<V>(tl.dkg, d, 1, {dc, G, 1}, {tl.q, 1, d}, M, d, G, false);
+    contract<V>(tl.dq, d, 1, {dc, 1, G}, {kj, 1, d}, G, d, M, true);
     tl.scatter_kv(p, j, gr.dk, gr.dv);
   }
-  // dq[g] += sum_(j,m) dc[j, m, g] k[j, m]
-  contract<V>(tl.dq, d, 1, {tl.dc, 1, G}, {tl.kg, 1, d}, G, d, J * M, true);
 
   // the group term: dtq[g, gidx[v, g, m]] += dgl[v, m, g], then dq[g, d-c:] += dtq[g] emb
   // and d emb[r] += sum_g dtq[g, r] q[g, d-c:] (0 on lanes past n: go is 0 there)
@@ -1032,8 +1048,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
           gr.dk = own, gr.dv = own + slab;
         }
         tl.load(p, z, (zt % tiles) * T);
-        forward_tile(p, tl);
-        backward_tile(p, tl, go, gr, drho_local.data());
+        load_go(p, tl, go);
+        forward_tile(p, tl, true);
+        backward_tile(p, tl, gr, drho_local.data());
       }
       for (size_t a = 0; a < drho_local.size(); ++a)
         for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];

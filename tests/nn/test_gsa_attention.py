@@ -312,24 +312,24 @@ def test_mixed_precision_forward_and_backward(group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_offset_table_sorts_the_distinct_offsets_by_y_down_then_x(dtype):
+def test_offset_table_sorts_the_distinct_offsets_by_y_then_x_from_the_right(dtype):
     """A global layer's table of distinct offsets and each pair's index equal those of one
-    sort of (-y, x) rows, on a grid and on random points. On a grid, consecutive queries of
-    an image row read entries that fall by one, and a tile of them across the end of a row
-    reads the next row's entries below the first row's (two runs a kernel reads as loads)."""
+    sort of (y, -x) rows, on a grid and on random points. On a grid, consecutive queries of
+    an image row read entries that rise by one, and a tile of them across the end of a row
+    reads the next row's entries above the first row's (two runs a kernel reads as loads)."""
     grid = grid_coordinates(5, 7, dtype=dtype).reshape(-1, 2)
     points = torch.randn(40, 2, generator=torch.Generator().manual_seed(0)).to(dtype)
     for coords in (grid, points, points.round()):  # rounded: repeated offsets off a grid
         offsets = coords[None] - coords[:, None]
         distinct, index = offset_table(offsets)
-        rows = torch.stack([-offsets[..., 1], offsets[..., 0]], dim=-1).reshape(-1, 2)
+        rows = torch.stack([offsets[..., 1], -offsets[..., 0]], dim=-1).reshape(-1, 2)
         yx, expected = torch.unique(rows, dim=0, return_inverse=True)
-        assert torch.equal(distinct, torch.stack([yx[:, 1], -yx[:, 0]], dim=-1))
+        assert torch.equal(distinct, torch.stack([-yx[:, 1], yx[:, 0]], dim=-1))
         assert torch.equal(index, expected.view(index.shape))
         assert torch.equal(distinct[index], offsets)
     distinct, index = offset_table(grid[None] - grid[:, None])
     assert distinct.shape == (9 * 13, 2)
     rows = index.view(5, 7, -1)  # (query row, query column, J)
-    assert torch.equal(rows[:, 1:] - rows[:, :-1], torch.full_like(rows[:, 1:], -1))
-    # run 1 (the next row from its first column) starts below where run 0 would continue
-    assert (rows[1:, 0] + 7 <= rows[:-1, 0]).all()
+    assert torch.equal(rows[:, 1:] - rows[:, :-1], torch.full_like(rows[:, 1:], 1))
+    # run 1 (the next row from its first column) starts above where run 0 would continue
+    assert (rows[1:, 0] >= rows[:-1, 0] + 7).all()

@@ -249,26 +249,26 @@ def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
         _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, reverse))
 
 
-def _entries_of(width: int, rows: int, shift: list[int], rising: bool) -> torch.Tensor:
+def _entries_of(width: int, rows: int, shift: list[int], upwards: bool) -> torch.Tensor:
     """Spatial table entries ``(width * rows, J)`` of queries laid row by row, as a global
     layer's: the entry of query (y, x) and neighbour j is that of the offset (shift[j] - x, y'),
-    y' = -y, or y when ``rising``, in a table of offsets sorted by (y', x), rows of 2 width + 8
-    entries: along an image row the entries fall by one."""
+    y' = y, or -y when not ``upwards``, in a table of offsets sorted by (y', -x), rows of
+    2 width + 8 entries: along an image row the entries rise by one."""
     y, x = torch.arange(rows).repeat_interleave(width), torch.arange(width).repeat(rows)
-    row = y if rising else rows - 1 - y
-    return torch.stack([row * (2 * width + 8) + width + 4 + s - x for s in shift], dim=1)
+    row = y if upwards else rows - 1 - y
+    return torch.stack([row * (2 * width + 8) + width + 4 - s + x for s in shift], dim=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
     """A global layer's tile reads its spatial table at each lane's own entry, off(i, j): one
-    falling run, two (a tile across the end of an image row), two whose second run lies above
+    rising run, two (a tile across the end of an image row), two whose second run lies below
     the first (read lane by lane), several, one entry for every lane; the values and
     gradients, d rho included, are the oracle's, dropout included."""
-    for width, rising in [(11, False), (11, True), (5, False), (1, False)]:
+    for width, upwards in [(11, True), (11, False), (5, True), (1, True)]:
         rows = 6
-        offsets = _entries_of(width, rows, [0, 1, 3, 2], rising)
+        offsets = _entries_of(width, rows, [0, 1, 3, 2], upwards)
         if width == 1:
             offsets[:, 0] = 7  # every query's first neighbour at one entry
         nb = _rows_of(width, rows, [0, 1, 3, 2])
@@ -278,7 +278,7 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
         gen = torch.Generator().manual_seed(2)
         rho = torch.randn(n, rows * (2 * width + 8), 2, generator=gen, dtype=torch.float64)
         inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
-        _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, rising))
+        _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, upwards))
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])

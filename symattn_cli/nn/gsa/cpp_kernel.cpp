@@ -53,7 +53,6 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -138,12 +137,6 @@ V loadu(const S* src) {
 template <typename V, typename S>
 void storeu(S* dst, const V& x) {
   std::memcpy(dst, &x, sizeof x);
-}
-
-// x with its lanes in reverse order (one permute).
-template <typename V, size_t... t>
-V reversed(const V& x, std::index_sequence<t...>) {
-  return __builtin_shufflevector(x, x, (sizeof...(t) - 1 - t)...);
 }
 
 template <typename S>
@@ -238,50 +231,43 @@ struct Tile {
     if (backward) std::fill(demb, demb + p.R * p.c, V{});
   }
 
-  // How the indices lanes read from one row of numbers lie: in one run, lane t at base +
-  // step t (step 1: a vector load; -1: a load and a reversal), in two such runs (a tile across
-  // the end of an image row: two loads, one blend), at one index (a broadcast), or anywhere.
-  // Keys lie along step 1 (neighbour j of consecutive queries); a global layer's table
-  // entries off(i, j) along step -1 (the offset x_j - x_i falls as x_i moves right).
+  // How the indices lanes read from one row of numbers lie: in one run, lane t at base + t (a
+  // vector load), in two such runs (a tile across the end of an image row: two loads, one
+  // blend), at one index (a broadcast), or anywhere. Keys lie in runs (neighbour j of
+  // consecutive queries), and so do a global layer's table entries off(i, j) (the layer's
+  // offset table is sorted so).
   enum Layout : uint8_t { kOneRun, kTwoRuns, kSame, kScattered };
   struct Runs {
     Layout layout = kScattered;
-    int64_t step = 1;
-    int64_t first = 0, second = 0;  // where each run's load starts (its lowest index)
-    typename Lanes<S>::I lower{};  // two runs: all ones on run 0's lanes, in load order
+    int64_t first = 0, second = 0;  // where each run's load starts
+    typename Lanes<S>::I lower{};  // two runs: all ones on run 0's lanes
   };
-  // The runs of the lane indices index[t] (lanes past n repeat the last) along step.
-  static Runs runs(const int64_t* index, int64_t n, int64_t step) {
+  // The runs of the lane indices index[t] (lanes past n repeat the last).
+  static Runs runs(const int64_t* index, int64_t n) {
     Runs r;
-    r.step = step;
     bool same = true;
     int64_t split = T;  // the first lane off run 0
     for (int64_t t = 0; t < T; ++t) {
-      if (split == T && index[t] != index[0] + step * t) split = t;
+      if (split == T && index[t] != index[0] + t) split = t;
       same &= index[t] == index[0];
     }
-    // Two runs whose loads stay within the lanes' own indices: run 1's base lies beyond run
-    // 0's along step.
-    const int64_t base = split < T ? index[split] - step * split : index[0];
-    bool two = n == T && split < T && step * (base - index[0]) >= 0;
-    for (int64_t t = split; two && t < T; ++t) two = index[t] == base + step * t;
+    // Two runs whose loads stay within the lanes' own indices: run 1's base lies above run
+    // 0's.
+    const int64_t base = split < T ? index[split] - split : index[0];
+    bool two = n == T && split < T && base >= index[0];
+    for (int64_t t = split; two && t < T; ++t) two = index[t] == base + t;
     r.layout = n == T && split == T ? kOneRun : two ? kTwoRuns : same ? kSame : kScattered;
-    const int64_t back = step < 0 ? T - 1 : 0;  // a reversed run's load starts T - 1 lower
-    r.first = index[0] - back, r.second = base - back;
-    for (int64_t t = 0; t < T; ++t) r.lower[step < 0 ? T - 1 - t : t] = t < split ? -1 : 0;
+    r.first = index[0], r.second = base;
+    for (int64_t t = 0; t < T; ++t) r.lower[t] = t < split ? -1 : 0;
     return r;
-  }
-  // Lanes in load order to lane order or back (the same permutation both ways).
-  static V oriented(const V& x, const Runs& r) {
-    return r.step > 0 ? x : reversed(x, std::make_index_sequence<T>{});
   }
   // Lane t of row[index[t]], the indices laid out as r.
   static V read(const S* row, const Runs& r, const int64_t* index) {
     switch (r.layout) {
       case kOneRun:
-        return oriented(loadu<V>(row + r.first), r);
+        return loadu<V>(row + r.first);
       case kTwoRuns:
-        return oriented(r.lower ? loadu<V>(row + r.first) : loadu<V>(row + r.second), r);
+        return r.lower ? loadu<V>(row + r.first) : loadu<V>(row + r.second);
       case kSame:
         return V{} + row[index[0]];
       default:
@@ -292,12 +278,12 @@ struct Tile {
   void add(S* row, const Runs& r, const V& x, const int64_t* index) const {
     switch (r.layout) {
       case kOneRun:
-        storeu(row + r.first, loadu<V>(row + r.first) + oriented(x, r));
+        storeu(row + r.first, loadu<V>(row + r.first) + x);
         break;
       case kTwoRuns: {  // each run adds 0 on the other's lanes
-        const V y = oriented(x, r), zero{};
-        storeu(row + r.first, loadu<V>(row + r.first) + (r.lower ? y : zero));
-        storeu(row + r.second, loadu<V>(row + r.second) + (r.lower ? zero : y));
+        const V zero{};
+        storeu(row + r.first, loadu<V>(row + r.first) + (r.lower ? x : zero));
+        storeu(row + r.second, loadu<V>(row + r.second) + (r.lower ? zero : x));
         break;
       }
       case kSame: {
@@ -350,11 +336,11 @@ struct Tile {
     for (int64_t j = 0; j < J; ++j) {
       int64_t* index = key_index.data() + j * T;
       for (int64_t t = 0; t < T; ++t) index[t] = p.nb[i[t] * J + j];
-      keys[j] = runs(index, n, 1);
+      keys[j] = runs(index, n);
       if (p.offsets) {
         int64_t* entry = entry_index.data() + j * T;
         for (int64_t t = 0; t < T; ++t) entry[t] = p.offsets[i[t] * J + j];
-        entries[j] = runs(entry, n, -1);
+        entries[j] = runs(entry, n);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = 0; c < d; ++c) {

@@ -356,15 +356,17 @@ class GroupSelfAttention(nn.Module):
 
 def offset_table(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct offsets of ``offsets`` ``(I, J, 2)`` in (x, y) order, ``(D, 2)``
-    ((2H-1)(2W-1) on a grid), and the index of each pair's offset ``(I, J)``. Sorted by y
-    downwards (the image's row order), then x: the queries along an image row read
-    consecutive entries, falling by one, and the next row's lower ones. Three sorts of
-    numbers (x, y, then the pairs' (y, x) ranks as one integer), not a sort of (I J, 2) rows."""
+    ((2H-1)(2W-1) on a grid), and the index of each pair's offset ``(I, J)``. Sorted by y,
+    then by x from right to left: as a query moves right along an image row, its offsets
+    x_j - x_i fall, so consecutive queries read consecutive entries, rising by one; on the
+    next image row down, y_i is lower and the offsets' y higher, so its entries lie above.
+    Three sorts of numbers (x, y, then the pairs' (y, -x) ranks as one integer), not a sort
+    of (I J, 2) rows."""
     ux, ix = torch.unique(offsets[..., 0], return_inverse=True)
     uy, iy = torch.unique(offsets[..., 1], return_inverse=True)
-    down = len(uy) - 1 - iy  # y's rank from the top
-    keys, index = torch.unique(down * len(ux) + ix, return_inverse=True)
-    return torch.stack([ux[keys % len(ux)], uy.flip(0)[keys // len(ux)]], dim=-1), index
+    left = len(ux) - 1 - ix  # x's rank from the right
+    keys, index = torch.unique(iy * len(ux) + left, return_inverse=True)
+    return torch.stack([ux.flip(0)[keys % len(ux)], uy[keys // len(ux)]], dim=-1), index
 
 
 def group_index_table(group: Group, kind: str) -> tuple[int, torch.Tensor]:

@@ -237,14 +237,17 @@ def _assert_the_kernel_gives_the_oracles(inputs, form, dtype, case):
 def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
     """A tile of queries (16 floats or 8 doubles) whose neighbours are one run of consecutive
     points, two runs (a tile across the end of a row), several runs, one point or no run (a
-    row listed backwards) gives the oracle's values and gradients, dropout included."""
+    row listed backwards) gives the oracle's values and gradients, dropout included. At one
+    point, a full tile sums its dk and dv rows over the lanes T rows at a time (M d = 18 of
+    them: one or two blocks and a rest)."""
     for width, reverse in [(11, False), (5, False), (11, True), (1, False), (17, False)]:
         nb = _rows_of(width, 6, [0, 1, 3, 2], reverse)
         if width in (1, 17):  # tiles with a lane past the last query, and full ones
             nb[:, 0] = 7  # every query's first neighbour at one point
         q, k, v, group_rho, rho, _, _, valid, n = _inputs(
-            n_q=nb.shape[0], n_kv=(width + 4) * 8, j=4, g=2, m=2, by_v=form == "sum"
-        )
+            n_q=nb.shape[0], n_kv=(width + 4) * 8, j=4, g=2, m=2, d=9 if width == 17 else 5,
+            by_v=form == "sum",
+        )  # fmt: skip
         inputs = (q, k, v, group_rho, rho, None, nb, valid, n)
         _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, reverse))
 

@@ -53,6 +53,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -380,15 +381,42 @@ struct Tile {
       add(drho + (row * p.e + c) * p.D, entries[j], dr[c], entry_index.data() + j * T);
   }
 
+  // In each block of 2h lanes: the first h lanes hold a's block folded in half (a[l] +
+  // a[l + h]), the last h lanes b's.
+  template <int64_t h, size_t... l>
+  static V fold(const V& a, const V& b, std::index_sequence<l...>) {
+    return __builtin_shufflevector(a, b, (l % (2 * h) < h ? l : T + l - h)...) +
+           __builtin_shufflevector(a, b, (l % (2 * h) < h ? l + h : T + l)...);
+  }
+  template <int64_t h>
+  static void fold_pairs(V* x) {  // x[a] with x[a + h], a < h, then the next round
+    for (int64_t a = 0; a < h; ++a) x[a] = fold<h>(x[a], x[a + h], std::make_index_sequence<T>{});
+    if constexpr (h > 1) fold_pairs<h / 2>(x);
+  }
+  // Lane t: the sum of x[t]'s lanes, for T vectors x (log2 T rounds of folding pairs).
+  static V lane_sums(const V* x) {
+    V y[T / 2];
+    for (int64_t a = 0; a < T / 2; ++a)
+      y[a] = fold<T / 2>(x[a], x[a + T / 2], std::make_index_sequence<T>{});
+    fold_pairs<T / 4>(y);
+    return y[0];
+  }
+
   // Adds neighbour j's dk and dv rows (dkg, dvg) to the tile's batch-head of the inputs'
-  // gradients, dk and dv (d, M, Lkv); outside neighbours add 0 (beta = 0).
+  // gradients, dk and dv (d, M, Lkv); outside neighbours add 0 (beta = 0). Where every lane
+  // has the same key (a global layer), T rows' lane sums are made at once.
   void scatter_kv(const Problem<S>& p, int64_t j, S* dk, S* dv) const {
-    for (int64_t m = 0; m < p.M; ++m)
-      for (int64_t c = 0; c < p.d; ++c) {
-        const int64_t at = p.row(0, m, c, p.M) * p.Lkv;
-        add(dk + at, keys[j], dkg[m * p.d + c], key_index.data() + j * T);
-        add(dv + at, keys[j], dvg[m * p.d + c], key_index.data() + j * T);
+    const int64_t* index = key_index.data() + j * T;
+    const int64_t Md = p.M * p.d;
+    const auto at = [&](int64_t a) { return p.row(0, a / p.d, a % p.d, p.M) * p.Lkv; };
+    for (auto [grad, rows] : {std::pair<S*, const V*>{dk, dkg}, {dv, dvg}}) {
+      int64_t a = 0;
+      for (; keys[j].layout == kSame && n == T && a + T <= Md; a += T) {
+        const V sums = lane_sums(rows + a);
+        for (int64_t t = 0; t < T; ++t) grad[at(a + t) + index[0]] += sums[t];
       }
+      for (; a < Md; ++a) add(grad + at(a), keys[j], rows[a], index);
+    }
   }
 
   // Stores x at the tile's points of a (..., L)-laid row, t < n.

@@ -51,6 +51,9 @@ CASES = [
     ("single", dict(by_v=True)),
     ("sum", dict(g=8, m=8, d=7, e=4, by_v=True)),
     ("sum", dict(e=0, by_v=True)),
+    # contractions over more than 256 (j, m) or (j, g): the kernel takes them in passes
+    ("sum", dict(n_kv=48, j=40, g=2, m=8, by_v=True, local=False)),
+    ("sum", dict(n_kv=48, j=40, g=8, m=2, local=False)),
 ]
 
 

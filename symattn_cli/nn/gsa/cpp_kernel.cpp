@@ -441,6 +441,14 @@ struct Operand {
 template <typename V>
 void contract(V* out, int64_t out_a, int64_t out_b, Operand<V> x, Operand<V> y, int64_t na,
               int64_t nb, int64_t nk, bool accumulate) {
+  constexpr int64_t kBlock = 256;  // k per pass: a pass's x and y rows stay in cache
+  if (nk > kBlock) {
+    for (int64_t k0 = 0; k0 < nk; k0 += kBlock)
+      contract<V>(out, out_a, out_b, {x.at + k0 * x.inner, x.outer, x.inner},
+                  {y.at + k0 * y.inner, y.outer, y.inner}, na, nb, std::min(kBlock, nk - k0),
+                  accumulate || k0 > 0);
+    return;
+  }
   const auto put = [&](V* o, const V& s) { *o = accumulate ? *o + s : s; };
   const int64_t nb4 = nb - nb % 4;
   for (int64_t a = 0; a < na; ++a) {

@@ -407,15 +407,20 @@ struct Tile {
   // has the same key (a global layer), T rows' lane sums are made at once.
   void scatter_kv(const Problem<S>& p, int64_t j, S* dk, S* dv) const {
     const int64_t* index = key_index.data() + j * T;
-    const int64_t Md = p.M * p.d;
-    const auto at = [&](int64_t a) { return p.row(0, a / p.d, a % p.d, p.M) * p.Lkv; };
-    for (auto [grad, rows] : {std::pair<S*, const V*>{dk, dkg}, {dv, dvg}}) {
-      int64_t a = 0;
-      for (; keys[j].layout == kSame && n == T && a + T <= Md; a += T) {
-        const V sums = lane_sums(rows + a);
-        for (int64_t t = 0; t < T; ++t) grad[at(a + t) + index[0]] += sums[t];
+    const int64_t M = p.M, d = p.d, Md = M * d, Lkv = p.Lkv;
+    int64_t a0 = 0;  // rows a = m d + c of dkg and dvg, at (c M + m) Lkv in dk and dv
+    for (; keys[j].layout == kSame && n == T && a0 + T <= Md; a0 += T) {
+      const V ksums = lane_sums(dkg + a0), vsums = lane_sums(dvg + a0);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t a = a0 + t, at = ((a % d) * M + a / d) * Lkv + index[0];
+        dk[at] += ksums[t], dv[at] += vsums[t];
       }
-      for (; a < Md; ++a) add(grad + at(a), keys[j], rows[a], index);
+    }
+    for (int64_t a = a0, m = a0 / d, c = a0 % d; a < Md; ++a) {
+      const int64_t at = (c * M + m) * Lkv;
+      add(dk + at, keys[j], dkg[a], index);
+      add(dv + at, keys[j], dvg[a], index);
+      if (++c == d) c = 0, ++m;
     }
   }
 

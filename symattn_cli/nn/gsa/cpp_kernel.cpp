@@ -190,7 +190,8 @@ struct Tile {
   V *q, *kg, *vg, *gl, *pi, *keep, *mx, *sm, *w, *beta, *r, *pk, *rho_local, *emb_lanes, *tq;
   // by_v: gl (V, M, G); c0 (J, M, G); pi holds exp(c0 - mx), e0k (J, M, G) its kept part;
   // for the current v: egl (M, G): exp(gl - max_m gl); the fallback's ev, evk (J, M, G):
-  // exp(c0 + gl - max_m), its kept part, and mxv (J, G): its maxima; beta, a (J, G): beta and beta / sm; acc (G);
+  // exp(c0 + gl - max_m), its kept part, and mxv (J, G): its maxima; beta, a (J, G): beta
+  // and beta / sm; acc (G);
   // u (K, J, G): outer logits less lse; pv (V, J, M): P
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
@@ -859,7 +860,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const Grads<S>& gr,
             tl.dq[g * d + c] += x * tl.r[c];
             dr[c] += x * tl.q[g * d + c];  // 0 on lanes past n: go is 0 there
           }
-          if (p.single || g == G - 1) tl.scatter_rho(p, drho_local, gr.drho, p.single ? g : k, j, dr);
+          if (p.single || g == G - 1)
+            tl.scatter_rho(p, drho_local, gr.drho, p.single ? g : k, j, dr);
         }
       }
   }
@@ -914,8 +916,8 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const Grads<S>& gr,
 template <typename S>
 Problem<S> problem(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& emb,
                    const OptTensor& gidx, const OptTensor& rho, const OptTensor& offsets,
-                   const Tensor& nb, const OptTensor& valid, bool single, int64_t n, int64_t threshold,
-                   int64_t seed, const Tensor& rho_t) {
+                   const Tensor& nb, const OptTensor& valid, bool single, int64_t n,
+                   int64_t threshold, int64_t seed, const Tensor& rho_t) {
   Problem<S> p{};
   p.q = q.data_ptr<S>();
   p.k = k.data_ptr<S>();
@@ -1007,8 +1009,8 @@ Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTenso
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gsa_forward", [&] {
     using S = scalar_t;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed,
-                              rho_t);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold,
+                              seed, rho_t);
     const int64_t tiles = (p.L + T - 1) / T;
     S* o = out.data_ptr<S>();
     at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -1048,8 +1050,8 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     using S = scalar_t;
     using V = typename Tile<S>::V;
     constexpr int64_t T = Tile<S>::T;
-    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold, seed,
-                              rho_t);
+    const auto p = problem<S>(q, k, v, emb, gidx, rho, offsets, nb, valid, single, n, threshold,
+                              seed, rho_t);
     const S* go = grad_out.data_ptr<S>();
     const int64_t rho_size = rho ? rho->numel() : 0, tiles = (p.L + T - 1) / T;
     const int64_t slab = p.d * p.M * p.Lkv;  // one batch-head of dk or dv

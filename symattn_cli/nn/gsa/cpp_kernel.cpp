@@ -291,11 +291,7 @@ struct Tile {
       case kSame: {
         S sum = 0;
         if (n == T) {  // a tree of halves, not a chain of T dependent adds
-          S half[T];
-          std::memcpy(half, &x, sizeof x);
-          for (int64_t h = T / 2; h >= 1; h /= 2)
-            for (int64_t t = 0; t < h; ++t) half[t] += half[t + h];
-          sum = half[0];
+          sum = halved<T / 2>(x)[0];
         } else {
           for (int64_t t = 0; t < n; ++t) sum += x[t];
         }
@@ -390,6 +386,12 @@ struct Tile {
            __builtin_shufflevector(a, b, (l % (2 * h) < h ? l + h : T + l)...);
   }
   template <int64_t h>
+  static V halved(const V& x) {  // every lane: the sum of x's lanes (x folded onto itself)
+    const V y = fold<h>(x, x, std::make_index_sequence<T>{});
+    if constexpr (h > 1) return halved<h / 2>(y);
+    return y;
+  }
+  template <int64_t h>
   static void fold_pairs(V* x) {  // x[a] with x[a + h], a < h, then the next round
     for (int64_t a = 0; a < h; ++a) x[a] = fold<h>(x[a], x[a + h], std::make_index_sequence<T>{});
     if constexpr (h > 1) fold_pairs<h / 2>(x);
@@ -409,19 +411,22 @@ struct Tile {
   void scatter_kv(const Problem<S>& p, int64_t j, S* dk, S* dv) const {
     const int64_t* index = key_index.data() + j * T;
     const int64_t M = p.M, d = p.d, Md = M * d, Lkv = p.Lkv;
-    int64_t a0 = 0;  // rows a = m d + c of dkg and dvg, at (c M + m) Lkv in dk and dv
-    for (; keys[j].layout == kSame && n == T && a0 + T <= Md; a0 += T) {
-      const V ksums = lane_sums(dkg + a0), vsums = lane_sums(dvg + a0);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t a = a0 + t, at = ((a % d) * M + a / d) * Lkv + index[0];
+    int64_t a = 0, m = 0, c = 0;  // row a = m d + c of dkg and dvg, at (c M + m) Lkv in dk, dv
+    const auto next = [&] {
+      ++a;
+      if (++c == d) c = 0, ++m;
+    };
+    while (keys[j].layout == kSame && n == T && a + T <= Md) {
+      const V ksums = lane_sums(dkg + a), vsums = lane_sums(dvg + a);
+      for (int64_t t = 0; t < T; ++t, next()) {
+        const int64_t at = (c * M + m) * Lkv + index[0];
         dk[at] += ksums[t], dv[at] += vsums[t];
       }
     }
-    for (int64_t a = a0, m = a0 / d, c = a0 % d; a < Md; ++a) {
+    for (; a < Md; next()) {
       const int64_t at = (c * M + m) * Lkv;
       add(dk + at, keys[j], dkg[a], index);
       add(dv + at, keys[j], dvg[a], index);
-      if (++c == d) c = 0, ++m;
     }
   }
 

@@ -424,7 +424,7 @@ def sass(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
 
 # Opcodes of a loop body's work (floating point, memory): how many copies an unrolled loop
 # holds is the ratio of their counts.
-_WORK = ("F", "D", "MUFU", "LDG", "STG", "LDS", "STS", "RED", "ATOM", "HMMA")
+_WORK = ("F", "D", "MUFU", "LDG", "STG", "LDS", "STS", "RED", "ATOM", "HMMA", "HGMMA")
 
 
 @dataclass
@@ -502,7 +502,7 @@ def weighted_counts(code: list[Instruction], found: list[Loop]) -> dict[str, flo
     total and by kind."""
     kinds = {
         "global": ("LDG", "STG"), "atomic": ("RED", "ATOM"), "barrier": ("BAR",),
-        "shared": ("LDS", "STS"), "spill": ("LDL", "STL"), "mma": ("HMMA", "DMMA", "IMMA"),
+        "shared": ("LDS", "STS"), "spill": ("LDL", "STL"), "mma": ("HMMA", "HGMMA", "DMMA", "IMMA"),
         "fma": ("FFMA", "DFMA", "FMUL", "DMUL", "FADD", "DADD"),
     }  # fmt: skip
     counts = dict.fromkeys(["instructions", *kinds], 0.0)

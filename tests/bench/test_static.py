@@ -54,6 +54,17 @@ def test_unrolled_loops_share_the_trip_count(tmp_path: Path):
     assert counts["fma"] == 2 * (4 * 2 + 2)
 
 
+def test_products_of_every_tensor_core_kind_count_as_products():
+    """sm_80's HMMA and sm_90's warpgroup HGMMA are both tensor-core products: either makes
+    the FLOP bound use the tensor-core peak."""
+    ins = static.Instruction
+    code = [ins(0x00, "HMMA.1688.F32.TF32", None, None),
+            ins(0x10, "HGMMA.64x32x8.F32.TF32", None, None),
+            ins(0x20, "FFMA", None, None)]  # fmt: skip
+    counts = static.weighted_counts(code, [])
+    assert counts["mma"] == 2 and counts["fma"] == 1
+
+
 def test_a_loop_named_in_another_file_is_read_in_the_kernels_source(tmp_path: Path):
     """Triton's line information can name the file of an inlined helper but the loop's own
     line: that line of the kernel's source gives the trip count; without it the loop counts

@@ -160,22 +160,24 @@ class TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold, seed):
         z, n_q, _, d = q.shape
         out = q.new_empty(z, n_q, n, d)
-        lse = statistics(q, grho, rho, single, n)
+        lse, rows = stats = statistics(q, grho, rho, single, n, out)
         # the tile maps and the keep mask, built once for both kernels
         ctx.plan = plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold)
         if threshold > 0 and q.numel():
             kernel, grid, args, meta = keep_launch(ctx.plan, threshold, seed)
             kernel[grid](*args, **meta)
         if out.numel():
-            kernel, grid, args, meta = forward_launch(out, lse, ctx.plan)
+            kernel, grid, args, meta = forward_launch(out, stats, ctx.plan)
             kernel[grid](*args, **meta)
-        ctx.save_for_backward(q, grho, lse)
+        ctx.save_for_backward(q, grho, lse, out if single else rows)
+        ctx.rows = rows.shape
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, grho, lse = ctx.saved_tensors
+        q, grho, lse, rows = ctx.saved_tensors
+        stats = (lse, rows.view(ctx.rows))
         _, _, (_, k, v, _, rho, *_), meta = ctx.plan
         rho = rho if meta["HAS_RHO"] else None  # the plan holds a stand-in for an absent one
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -186,7 +188,7 @@ class TiledAttention(torch.autograd.Function):
             kernel, grid, args, meta = backward_launch(
                 (dq, dk, dv),
                 grad_out,
-                lse,
+                stats,
                 ctx.plan,
                 copies=gradient_copies(q, rho),
                 programs=backward_programs(q),
@@ -201,12 +203,15 @@ class TiledAttention(torch.autograd.Function):
         return dq, dk, dv, dgrho, drho, *(None,) * 7
 
 
-def statistics(q, grho, rho, single: bool, n: int):
-    """An empty tensor for the outer softmax's log-sum-exp, ``(Z, L, T, G)``, which the
-    forward writes and the backward reads."""
-    z, n_q, g, _ = q.shape
+def statistics(q, grho, rho, single: bool, n: int, out=None):
+    """Empty tensors for what the forward keeps for the backward: the outer softmax's
+    log-sum-exp ``(Z, L, T, G)`` and the rows' outputs O ``(Z, L, T, G, d)`` (in the single
+    form the output ``out`` ``(Z, L, V, d)`` seen so, where given)."""
+    z, n_q, g, d = q.shape
     gl_v = grho is not None and grho.shape[0] > 1
-    return q.new_empty(z, n_q, _rows(single, rho, n, gl_v), g)
+    t = _rows(single, rho, n, gl_v)
+    rows = out.view(z, n_q, t, g, d) if single and out is not None else None
+    return q.new_empty(z, n_q, t, g), q.new_empty(z, n_q, t, g, d) if rows is None else rows
 
 
 def backward_programs(q, sms: int | None = None) -> int:
@@ -233,21 +238,21 @@ def keep_launch(launch, threshold: int, seed: int):
                                      threshold), kwargs  # fmt: skip
 
 
-def forward_launch(out, lse, launch):
+def forward_launch(out, stats, launch):
     """The forward kernel, its grid, arguments and keyword arguments (compile-time ones and
-    launch options) for ``out`` ``(Z, L, V, d)`` and ``lse`` (:func:`statistics`) by
-    ``launch`` (:func:`plan`)."""
+    launch options) for ``out`` ``(Z, L, V, d)`` (not written in the single form) and
+    ``stats`` (:func:`statistics`) by ``launch`` (:func:`plan`)."""
     program, grid, args, meta = launch
-    return program.attention_forward, grid, (out, lse, *args), meta
+    return program.attention_forward, grid, (out, *stats, *args), meta
 
 
-def backward_launch(grads, grad_out, lse, launch, copies: int = 1, programs: int = 1):
+def backward_launch(grads, grad_out, stats, launch, copies: int = 1, programs: int = 1):
     """The backward kernel, its grid (at most ``programs`` programs, each taking tiles in
     turn), arguments and keyword arguments by ``launch`` (:func:`plan`), writing ``grads``
     (dq, dk, dv: zeroed), each program's d grho (a new tensor, argument 3) and, with a spatial
     term, ``copies`` copies of drho (a new tensor ``(copies, V, D, e)``, argument 4) from
-    ``grad_out`` ``(Z, L, V, d)`` and the forward's ``lse``; the caller sums both new tensors
-    over their first axis."""
+    ``grad_out`` ``(Z, L, V, d)`` and what the forward kept (:func:`statistics`); the caller
+    sums both new tensors over their first axis."""
     program, grid, args, meta = launch
     q, grho, rho = args[0], args[3], args[4]
     if meta["BT"] == 1 and not meta["SINGLE"]:  # every v had the same output row: add them up
@@ -258,7 +263,8 @@ def backward_launch(grads, grad_out, lse, launch, copies: int = 1, programs: int
     grid = (max(1, min(tiles, programs)),)
     dgrho = q.new_zeros(grid[0], *grho.shape) if meta["HAS_GL"] else q
     drho = rho.new_zeros(copies, *rho.shape) if meta["HAS_RHO"] else q
-    args = (dq, dk, dv, dgrho, drho, grad_out, lse, *args, grad_out.shape[2], copies, tiles)
+    args = (dq, dk, dv, dgrho, drho, grad_out, *stats, *args, grad_out.shape[2], copies,
+            tiles)  # fmt: skip
     return program.attention_backward, grid, args, meta
 
 

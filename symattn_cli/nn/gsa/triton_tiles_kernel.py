@@ -31,13 +31,13 @@ local spatial term with more products than the logits (e > M: lifting layers, SP
 formed once a tile for every neighbour j and reaches a block through its one-hot map of
 neighbours (a product); otherwise rho is gathered at each block's offsets.
 
-  forward   O and LSE (Z, L, T, G), one tile a program
+  forward   O per row (Z, L, T, G, d), out and LSE (Z, L, T, G), one tile a program
   backward  with W = exp(x - LSE), GO[(i, r, g)] = dL/dout[i, r] (single: [i, g]),
-            dP = keep GO Val^T, per tile:
-            1. A = GO . sum_(h, m) W keep val                (W keep @ Val, then per row)
-            2. dx = W (dP - A): dq = sum_r dx K, dK = dx^T Q, dVal = (W keep)^T GO,
-               d gl = sum_h dx, d sp = sum_m dx: d grho and dq's group part from d gl,
-               drho and dq's spatial part from d sp.
+            dP = keep GO Val^T and A = GO . O per row (from the forward's O, as
+            FlashAttention-2 keeps its D = rowsum(dO O)), in one pass over the halo:
+            dx = W (dP - A): dq = sum_r dx K, dK = dx^T Q, dVal = (W keep)^T GO,
+            d gl = sum_h dx, d sp = sum_m dx: d grho and dq's group part from d gl,
+            drho and dq's spatial part from d sp.
 
 A backward program takes tiles pid, pid + programs, ...: dK and dVal are added to dk, dv once
 per (tile, block) (atomic adds of the block's sum), d grho is summed per program into its
@@ -49,7 +49,7 @@ dtype: float32 products on tensor cores at float32 accuracy (three TF32 products
 :func:`_dot`), float64 ones on CUDA cores.
 
 Shapes: q ``(Z, L, G, d)``, k, v ``(Z, Lkv, M, d)``, grho ``(Vg, G, M, c)``, rho ``(V, D,
-e)``, out ``(Z, L, V, d)``.
+e)``, out ``(Z, L, V, d)``, the rows' O ``(Z, L, T, G, d)``.
 """
 
 from __future__ import annotations
@@ -363,16 +363,17 @@ def _tile_rows(q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J,
 
 @triton.jit
 def attention_forward(
-    out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr,
-    row_ptr, L, Lkv, NT, H, J, M, G, d, c, e, D, V, T,
+    out_ptr, lse_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr,
+    slot_ptr, row_ptr, L, Lkv, NT, H, J, M, G, d, c, e, D, V, T,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     CHUNKS: tl.constexpr, BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """out ``(Z, L, V, d)`` and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries
-    a program (grid: Z NT); ``bits`` from :func:`keep_bits` where DROP."""
+    """The rows' outputs O ``(Z, L, T, G, d)``, out ``(Z, L, V, d)`` (the single form: O
+    itself, not written) and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries a
+    program (grid: Z NT); ``bits`` from :func:`keep_bits` where DROP."""
     NR: tl.constexpr = BQ * BR * BG
     pid = tl.program_id(0).to(tl.int64)
     r0 = (pid % CHUNKS) * BR  # the program's rows r: r0 .. r0 + BR
@@ -414,9 +415,8 @@ def attention_forward(
     tl.store(lse_ptr + (zl * T + r) * G + g, lse, mask=live)
     o = acc / tl.where(some, total, 1.0)[:, None]  # (NR, BD)
     ch = tl.arange(0, BD)[None, :]
-    if SINGLE:  # row (i, 0, g) is output g
-        tl.store(out_ptr + (zl * V + g)[:, None] * d + ch, o, mask=live[:, None] & (ch < d))
-    else:
+    tl.store(rows_ptr + ((zl * T + r) * G + g)[:, None] * d + ch, o, mask=live[:, None] & (ch < d))
+    if not SINGLE:  # (single: row (i, 0, g) is output g)
         o = tl.sum(tl.reshape(o, (BQ * BR, BG, BD)), axis=1)  # rows (i, r)
         io = tl.arange(0, BQ * BR) // BR
         ro = r0 + tl.arange(0, BQ * BR) % BR
@@ -457,7 +457,7 @@ def _weights(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, bits_ptr, live, kz, 
 
 @triton.jit
 def attention_backward(
-    dq_ptr, dk_ptr, dv_ptr, dgrho_ptr, drho_ptr, go_ptr, lse_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dgrho_ptr, drho_ptr, go_ptr, lse_ptr, rows_ptr,
     q_ptr, k_ptr, v_ptr, grho_ptr, rho_ptr, bits_ptr, halo_ptr, slot_ptr, row_ptr,
     L, Lkv, NT, H, J, M, G, d, c, e, D, V, T, GO, COPIES, TILES,
     HAS_GL: tl.constexpr, GL_V: tl.constexpr, HAS_RHO: tl.constexpr,
@@ -469,9 +469,9 @@ def attention_backward(
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
     ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
     (zeroed by the caller; program p adds to copy p mod COPIES); from go = dL/dout ``(Z, L,
-    GO, d)`` (GO = 1 where every v has the same output row: their gradients summed) and the
-    forward's LSE ``(Z, L, T, G)``. Program p takes tiles p, p + programs, ... of the Z NT =
-    TILES."""
+    GO, d)`` (GO = 1 where every v has the same output row: their gradients summed), the
+    forward's LSE ``(Z, L, T, G)`` and its rows' outputs O ``(Z, L, T, G, d)``. Program p
+    takes tiles p, p + programs, ... of the Z NT = TILES."""
     NR: tl.constexpr = BQ * BR * BG
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -501,19 +501,12 @@ def attention_backward(
                      other=0.0)  # fmt: skip
         go_hi, go_lo = _split(go, PRECISION)
 
-        # 1. A = GO . sum_(h, m) W keep val
-        o = tl.zeros((NR, BD), dtype)
-        for h0 in range(0, H, BH):
-            _r, _x, _c, _kh, _kl, _t, _a, _o, _h, _w, wk, v_hi, v_lo = _weights(
-                h0, t, r0, tq, H, halo, slot_ptr, row_ptr, bits_ptr, live, kz, vz, zl, g, lse, q_hi,
-                q_lo, bias, qe2, sp_hi, sp_lo, rho_ptr, rv, L, T, M, G, J, d, D, e, HAS_OFFSETS,
-                HAS_RHO, SP_DOT, SINGLE, DROP, PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
-            )  # fmt: skip
-            wk_hi, wk_lo = _split(wk, PRECISION)
-            o += _dot(wk_hi, wk_lo, v_hi, v_lo, PRECISION)
+        # A = GO . O per row, from the forward's O
+        o = tl.load(rows_ptr + ((zl * T + r) * G + g)[:, None] * d + ch,
+                    mask=live[:, None] & (ch < d), other=0.0)  # fmt: skip
         big_a = tl.sum(o * go, axis=1)
 
-        # 2. gradients
+        # the gradients, one pass over the halo
         dq = tl.zeros((NR, BD), dtype)  # sum_h dx K, per row
         dgl = tl.zeros((NR, BM), dtype)  # sum_h dx
         dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho

@@ -587,11 +587,14 @@ def attention_backward(
                         keep = (gg < G) & (m2 < M)
                     tl.store(mine + place, tl.load(mine + place, mask=keep, other=0.0) + part,
                              mask=keep)  # fmt: skip
-        # dq of each row: the content part, the spatial part on the first e channels, the
-        # group part on the last c; then summed over r
-        ce = tl.arange(0, BE)[None, :, None]
-        dq += tl.sum(dqe[:, :, None] * (ce == ch[:, None, :]), axis=1)
+        # dq of each row (the content part, the group part on the last c channels) summed
+        # over r, then the spatial part summed over r on the first e channels
         dq = tl.sum(tl.reshape(dq, (BQ, BR, BG, BD)), axis=1)  # (BQ, BG, BD)
+        if HAS_RHO:
+            dqe = tl.reshape(tl.sum(tl.reshape(dqe, (BQ, BR, BG, BE)), axis=1), (BQ * BG, BE))
+            ce = tl.arange(0, BE)[None, :, None]
+            dqe = tl.sum(dqe[:, :, None] * (ce == ch[:, None, :]), axis=1)  # (BQ BG, BD)
+            dq += tl.reshape(dqe, (BQ, BG, BD))
         i3 = t * BQ + tl.arange(0, BQ)[:, None, None]
         g3 = tl.arange(0, BG)[None, :, None]
         at = dq_ptr + ((z * L + i3.to(tl.int64)) * G + g3) * d + ch[:, None, :]

@@ -74,16 +74,16 @@ def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int, j: int,
     ``rows``: the outer rows R of a query, 1 in the single form, BT = R rounded up) fill at
     least one matrix tile, BR of the rows r a program (CHUNKS programs a tile, at most
     :data:`MAX_ROWS` rows each), and BH halo points a block, whose BH BM columns are at least
-    :data:`DOT_MIN` and about :data:`COLUMNS`. A local spatial table's rows side by side,
-    ``(BRV BE, BJ)``, and the tile's spatial logits by neighbour j are one product each, whose
-    sides are at least DOT_MIN."""
+    :data:`DOT_MIN` and about :data:`COLUMNS`; BRV rows of a spatial table, BE channels and
+    BJ >= DOT_MIN neighbours (the tile's spatial logits by neighbour j, ``(rows, BJ)``, are a
+    product; :func:`plan` raises BE to DOT_MIN where it forms them)."""
     bg, bm, bt = _power2(g), _power2(m), _power2(rows)
     bq = max(1, DOT_MIN // (bt * bg))
     br = max(1, min(bt, MAX_ROWS // (bq * bg)), DOT_MIN // (bq * bg))
     bh = max(_power2(-(-DOT_MIN // bm)), COLUMNS // bm)
     brv = bg if single else bt
     return dict(BQ=bq, BR=br, BT=bt, CHUNKS=bt // br, BH=bh, BG=bg, BM=bm,
-                BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=max(_power2(e), DOT_MIN // brv),
+                BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=_power2(e),
                 BRV=brv, BJ=max(_power2(j), DOT_MIN))  # fmt: skip
 
 
@@ -291,6 +291,8 @@ def plan(q, k, v, grho, rho, offsets, neighbour, valid, single, n, threshold):
         # else rho gathered at each block's offsets
         SP_DOT=rho is not None and offsets is None and blocks["BE"] > blocks["BM"],
     )  # fmt: skip
+    if flags["SP_DOT"]:  # the channels are the products' inner side
+        blocks["BE"] = max(blocks["BE"], DOT_MIN)
     grid = (q.shape[0] * maps[0].shape[0] * blocks["CHUNKS"],)
     warps = max(1, blocks["BQ"] * blocks["BR"] * blocks["BG"] // WARP_ROWS)
     return kernels(), grid, args, {**flags, **blocks, "num_warps": warps}

@@ -232,58 +232,37 @@ def _spatial(h0, t, r0, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where, counts, L,
 
 
 @triton.jit
-def _spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR: tl.constexpr, BRV: tl.constexpr,
-               BE: tl.constexpr):  # fmt: skip
-    """Each row's first e channels of q in the column block of its row of rho: ``(NR, BRV
-    BE)``, 0 elsewhere (a local table's rows side by side make one product of it)."""
-    col = tl.arange(0, BRV * BE)[None, :]
-    ok = live[:, None] & (col // BE == rv[:, None]) & (col % BE < e)
-    return tl.load(q_ptr + (zl * G + g)[:, None] * d + col % BE, mask=ok, other=0.0)
-
-
-@triton.jit
-def _stacked_rho(rho_ptr, V, D, e, J, BRV: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):
-    """A local table rho ``(V, J, e)`` as ``((v, e), j)``: ``(BRV BE, BJ)``."""
-    ve = tl.arange(0, BRV * BE)[:, None]
+def _rho_row(rho_ptr, vr, V, D, e, J, BE: tl.constexpr, BJ: tl.constexpr):
+    """Row vr of a local table rho ``(V, J, e)`` as ``(e, j)``: ``(BE, BJ)``."""
+    ce = tl.arange(0, BE)[:, None]
     j = tl.arange(0, BJ)[None, :]
-    ok = (ve // BE < V) & (ve % BE < e) & (j < J)
-    return tl.load(rho_ptr + ((ve // BE) * D + j) * e + ve % BE, mask=ok, other=0.0)
+    return tl.load(rho_ptr + (vr * D + j) * e + ce, mask=(vr < V) & (ce < e) & (j < J), other=0.0)
 
 
 @triton.jit
-def _by_query(x, iq, NR: tl.constexpr, BQ: tl.constexpr, BJ: tl.constexpr):
-    """x ``(NR, BJ)`` in the column block of each row's query iq: ``(NR, BQ BJ)``."""
-    if BQ == 1:
-        out = x
-    else:
-        out = tl.reshape(tl.broadcast_to(x[:, None, :], (NR, BQ, BJ)), (NR, BQ * BJ))
-        out = tl.where(tl.arange(0, BQ * BJ)[None, :] // BJ == iq[:, None], out, 0.0)
-    return out
-
-
-@triton.jit
-def _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J, PRECISION: tl.constexpr,
-                  NR: tl.constexpr, BQ: tl.constexpr, BRV: tl.constexpr, BE: tl.constexpr,
-                  BJ: tl.constexpr):  # fmt: skip
+def _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION: tl.constexpr, NR: tl.constexpr,
+                  BRV: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):  # fmt: skip
     """A local spatial term's logits of the tile, once: log2(e) q[:, :e] . rho[rv, j] for every
-    row and neighbour j, in the column block of the row's query, ``(NR, BQ BJ)``, split
-    (:func:`_split`). A block's part is then this times its one-hot map (:func:`_one_hot`)."""
-    a_hi, a_lo = _split(_spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR, BRV, BE), PRECISION)
-    b_hi, b_lo = _split(_stacked_rho(rho_ptr, V, D, e, J, BRV, BE, BJ), PRECISION)
-    sp = _dot(a_hi, a_lo, b_hi, b_lo, PRECISION) * LOG2E
-    return _split(_by_query(sp, iq, NR, BQ, BJ), PRECISION)
+    row and neighbour j ``(NR, BJ)``, split (:func:`_split`); ``qe`` the rows' first e
+    channels ``(NR, BE)``, one product per row of rho. A block's part is then this times the
+    one-hot map of the row's query (:func:`_one_hot`)."""
+    a_hi, a_lo = _split(qe, PRECISION)
+    sp = tl.zeros((NR, BJ), qe.dtype)
+    for vr in tl.static_range(BRV):
+        b_hi, b_lo = _split(_rho_row(rho_ptr, vr, V, D, e, J, BE, BJ), PRECISION)
+        sp += tl.where((rv == vr)[:, None], _dot(a_hi, a_lo, b_hi, b_lo, PRECISION), 0.0)
+    return _split(sp * LOG2E, PRECISION)
 
 
 @triton.jit
-def _one_hot(h0, t, H, slot_ptr, BQ: tl.constexpr, BJ: tl.constexpr, BH: tl.constexpr,
-             BM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """Which neighbour j of the tile's query iq each column (h, m) of a block is: ``((iq, j),
-    (h, m))``, 1 or 0, ``(BQ BJ, BH BM)``."""
-    h = h0 + tl.arange(0, BH)
-    slot = tl.load(slot_ptr + (t * BQ + tl.arange(0, BQ))[:, None] * H + h[None, :])
-    hit = slot[:, None, :, None] == tl.arange(0, BJ)[None, :, None, None]
-    hit = tl.broadcast_to(hit, (BQ, BJ, BH, BM))
-    return tl.reshape(tl.where(hit, 1.0, 0.0).to(dtype), (BQ * BJ, BH * BM))
+def _one_hot(h0, query, H, slot_ptr, BJ: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+             dtype: tl.constexpr):  # fmt: skip
+    """Which neighbour j of the tile's query ``query`` each column (h, m) of a block is: ``(j,
+    (h, m))``, 1 or 0, ``(BJ, BH BM)``."""
+    slot = tl.load(slot_ptr + query * H + h0 + tl.arange(0, BH))
+    hit = slot[None, :, None] == tl.arange(0, BJ)[:, None, None]
+    hit = tl.broadcast_to(hit, (BJ, BH, BM))
+    return tl.reshape(tl.where(hit, 1.0, 0.0).to(dtype), (BJ, BH * BM))
 
 
 @triton.jit
@@ -297,9 +276,8 @@ def _logits(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo,
     (:func:`_spatial`; stand-ins without a spatial term) and the logits in base 2, log2(e) x
     ``(NR, BH BM)``: ``bias`` ``(NR, BM)`` holds log2(e) gl and -inf past M, ``qe`` the
     queries' first e channels times log2(e), q ``(hi, lo)``; -inf off the slots. With SP_DOT
-    the spatial term comes from the tile's ``sp`` (:func:`_local_logits`) through the block's
-    one-hot map, which is returned (a stand-in otherwise); else from rho at the block's
-    offsets."""
+    the spatial term comes from the tile's ``sp`` (:func:`_local_logits`) through the one-hot
+    map of each row's query; else from rho at the block's offsets."""
     rows, exists, slot, counts, where, keys = _block(
         h0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, M, d, HAS_OFFSETS, BH, BM, BD
     )
@@ -308,7 +286,6 @@ def _logits(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo,
     table = where
     at = where
     ok = counts
-    one_hot = where
     if HAS_RHO and not SP_DOT:
         table, at, ok, sp = _spatial(h0, t, r0, H, slot_ptr, row_ptr, rho_ptr, qe, rv, where,
                                      counts, L, T, D, e, HAS_OFFSETS, SINGLE, BQ, BR, BG, BH,
@@ -319,9 +296,11 @@ def _logits(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo,
     x = tl.reshape(s, (BQ * BR * BG, BH, BM)) * LOG2E + bias[:, None, :] + column[:, :, None]
     x = tl.reshape(x, (BQ * BR * BG, BH * BM))
     if SP_DOT:
-        one_hot = _one_hot(h0, t, H, slot_ptr, BQ, BJ, BH, BM, s.dtype)
-        x += _dot_by(sp_hi, sp_lo, one_hot, PRECISION)
-    return rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x
+        for qq in tl.static_range(BQ):  # each query's rows through its own map
+            one_hot = _one_hot(h0, t * BQ + qq, H, slot_ptr, BJ, BH, BM, s.dtype)
+            part = _dot_by(sp_hi, sp_lo, one_hot, PRECISION)
+            x += tl.where((tq == t * BQ + qq)[:, None], part, 0.0)
+    return rows, exists, slot, counts, k_hi, k_lo, table, at, ok, x
 
 
 @triton.jit
@@ -355,8 +334,8 @@ def _tile_rows(q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J,
     sp_hi = q_hi  # stand-ins without a local spatial term
     sp_lo = q_lo
     if SP_DOT:
-        sp_hi, sp_lo = _local_logits(q_ptr, rho_ptr, zl, g, live, rv, iq, G, d, e, V, D, J,
-                                     PRECISION, BQ * BR * BG, BQ, BRV, BE, BJ)  # fmt: skip
+        sp_hi, sp_lo = _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION, BQ * BR * BG, BRV,
+                                     BE, BJ)  # fmt: skip
     tq = t * BQ + iq
     return zl, tq, iq, live, r, g, rv, gr, q_hi, q_lo, qe, qe * LOG2E, bias, sp_hi, sp_lo
 
@@ -392,7 +371,7 @@ def attention_forward(
     total = tl.zeros((NR,), dtype)
     acc = tl.zeros((NR, BD), dtype)
     for h0 in range(0, H, BH):
-        rows, exists, slot, counts, _kh, _kl, _t, _a, _o, _h, x = _logits(
+        rows, exists, slot, counts, _kh, _kl, _t, _a, _o, x = _logits(
             h0, t, r0, tq, H, halo, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe2, sp_hi,
             sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION,
             BQ, BR, BG, BH, BM, BD, BE, BJ,
@@ -441,7 +420,7 @@ def _weights(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, bits_ptr, live, kz, 
     """A halo block of the backward (:func:`_logits`, from the forward's ``lse`` in base 2):
     W = exp(x - LSE) and W keep ``(NR, BH BM)``, and the block's values split
     (:func:`_split`)."""
-    rows, exists, slot, counts, k_hi, k_lo, table, at, ok, one_hot, x = _logits(
+    rows, exists, slot, counts, k_hi, k_lo, table, at, ok, x = _logits(
         h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, live, kz, q_hi, q_lo, bias, qe, sp_hi,
         sp_lo, rho_ptr, rv, L, T, M, d, D, e, HAS_OFFSETS, HAS_RHO, SP_DOT, SINGLE, PRECISION,
         BQ, BR, BG, BH, BM, BD, BE, BJ,
@@ -452,7 +431,7 @@ def _weights(h0, t, r0, tq, H, halo_ptr, slot_ptr, row_ptr, bits_ptr, live, kz, 
         keep = _keep(bits_ptr, zl, g, slot, counts, G, J, BM)
         wk = tl.where(tl.reshape(keep, (BQ * BR * BG, BH * BM)), w, 0.0)
     v_hi, v_lo = _split(_values(vz, rows, exists, d, BH, BM, BD), PRECISION)
-    return rows, exists, counts, k_hi, k_lo, table, at, ok, one_hot, w, wk, v_hi, v_lo
+    return rows, exists, counts, k_hi, k_lo, table, at, ok, w, wk, v_hi, v_lo
 
 
 @triton.jit
@@ -510,9 +489,9 @@ def attention_backward(
         dq = tl.zeros((NR, BD), dtype)  # sum_h dx K, per row
         dgl = tl.zeros((NR, BM), dtype)  # sum_h dx
         dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho
-        dsp_j = tl.zeros((NR, BQ * BJ), dtype)  # a local term's d sp by (query, neighbour j)
+        dsp_j = tl.zeros((NR, BJ), dtype)  # a local term's d sp by neighbour j
         for h0 in range(0, H, BH):
-            rows, exists, counts, k_hi, k_lo, table, at, ok, one_hot, w, wk, v_hi, v_lo = _weights(
+            rows, exists, counts, k_hi, k_lo, table, at, ok, w, wk, v_hi, v_lo = _weights(
                 h0, t, r0, tq, H, halo, slot_ptr, row_ptr, bits_ptr, live, kz, vz, zl, g, lse, q_hi,
                 q_lo, bias, qe2, sp_hi, sp_lo, rho_ptr, rv, L, T, M, G, J, d, D, e, HAS_OFFSETS,
                 HAS_RHO, SP_DOT, SINGLE, DROP, PRECISION, BQ, BR, BG, BH, BM, BD, BE, BJ,
@@ -532,7 +511,10 @@ def attention_backward(
             dx = tl.reshape(dx, (NR, BH, BM))
             dgl += tl.sum(dx, axis=1)
             if SP_DOT:  # d sp summed over m and placed by j
-                dsp_j += _dot_by(dx_hi, dx_lo, tl.trans(one_hot), PRECISION)
+                for qq in tl.static_range(BQ):  # each query's rows through its own map
+                    one_hot = _one_hot(h0, t * BQ + qq, H, slot_ptr, BJ, BH, BM, dtype)
+                    part = _dot_by(dx_hi, dx_lo, tl.trans(one_hot), PRECISION)
+                    dsp_j += tl.where((iq == qq)[:, None], part, 0.0)
             if HAS_RHO and not SP_DOT:  # drho[rv, row] += sum_g dsp q[:, :e]; dqe += dsp rho
                 dsp = tl.sum(dx, axis=2)  # (NR, BH)
                 if SINGLE:
@@ -547,22 +529,19 @@ def attention_backward(
                     dqe += tl.reshape(tl.sum(dsp[:, :, :, None] * table[:, None, :, :], axis=2),
                                       (NR, BE))  # fmt: skip
 
-        if SP_DOT:  # drho[v, j] += sum_rows dsp q[:, :e]; dqe += dsp rho
-            if BQ > 1:  # each row's own query's block
-                keep_q = tl.arange(0, BQ * BJ)[None, :] // BJ == iq[:, None]
-                dsp_j = tl.sum(tl.reshape(tl.where(keep_q, dsp_j, 0.0), (NR, BQ, BJ)), axis=1)
+        if SP_DOT:  # drho[v, j] += sum_rows dsp q[:, :e]; dqe += dsp rho; a row of rho a time
             d_hi, d_lo = _split(dsp_j, PRECISION)
-            a_hi, a_lo = _split(_spread_qe(q_ptr, zl, g, live, rv, G, d, e, NR, BRV, BE),
-                                PRECISION)  # fmt: skip
-            ve = tl.arange(0, BRV * BE)[:, None]
+            ce = tl.arange(0, BE)[:, None]
             j = tl.arange(0, BJ)[None, :]
-            tl.atomic_add(drho_ptr + ((ve // BE) * D + j) * e + ve % BE,
-                          _dot(tl.trans(a_hi), tl.trans(a_lo), d_hi, d_lo, PRECISION),
-                          mask=(ve // BE < V) & (ve % BE < e) & (j < J))  # fmt: skip
-            b_hi, b_lo = _split(_stacked_rho(rho_ptr, V, D, e, J, BRV, BE, BJ), PRECISION)
-            full = _dot(d_hi, d_lo, tl.trans(b_hi), tl.trans(b_lo), PRECISION)  # (NR, BRV BE)
-            own = tl.arange(0, BRV * BE)[None, :] // BE == rv[:, None]
-            dqe += tl.sum(tl.reshape(tl.where(own, full, 0.0), (NR, BRV, BE)), axis=1)
+            for vr in tl.static_range(BRV):
+                own = (rv == vr)[:, None]
+                a_hi, a_lo = _split(tl.where(own, qe, 0.0), PRECISION)
+                tl.atomic_add(drho_ptr + (vr * D + j) * e + ce,
+                              _dot(tl.trans(a_hi), tl.trans(a_lo), d_hi, d_lo, PRECISION),
+                              mask=(vr < V) & (ce < e) & (j < J))  # fmt: skip
+                b_hi, b_lo = _split(_rho_row(rho_ptr, vr, V, D, e, J, BE, BJ), PRECISION)
+                full = _dot(d_hi, d_lo, tl.trans(b_hi), tl.trans(b_lo), PRECISION)  # (NR, BE)
+                dqe += tl.where(own, full, 0.0)
 
         # the group term: d grho[gr, g, m] += sum_i dgl q[:, d-c:]; dq[:, d-c:] += dgl grho
         if HAS_GL:  # one channel cc at a time; d grho added to this program's own row

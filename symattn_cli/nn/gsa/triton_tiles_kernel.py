@@ -37,7 +37,10 @@ neighbours (a product); otherwise rho is gathered at each block's offsets.
             FlashAttention-2 keeps its D = rowsum(dO O)), in one pass over the halo:
             dx = W (dP - A): dq = sum_r dx K, dK = dx^T Q, dVal = (W keep)^T GO,
             d gl = sum_h dx, d sp = sum_m dx: d grho and dq's group part from d gl,
-            drho and dq's spatial part from d sp.
+            drho and dq's spatial part from d sp. Where a tile has rows r (BR > 1: the sum
+            form with T > 1), which share q, dx is summed over r first and dq, dK come from
+            its BQ BG rows; and as its rows g share GO, W keep is summed over g first for
+            dVal (those three products as multiply-adds, not ``tl.dot``).
 
 A backward program takes tiles pid, pid + programs, ...: dK and dVal are added to dk, dv once
 per (tile, block) (atomic adds of the block's sum), d grho is summed per program into its
@@ -87,6 +90,16 @@ def _dot(a_hi, a_lo, b_hi, b_lo, PRECISION: tl.constexpr):
         out = tl.dot(a_lo, b_hi, input_precision="tf32", out_dtype=tl.float32)
         out = tl.dot(a_hi, b_lo, out, input_precision="tf32", out_dtype=tl.float32)
         out = tl.dot(a_hi, b_hi, out, input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _joined(hi, lo, PRECISION: tl.constexpr):
+    """x from its :func:`_split`."""
+    if PRECISION == "ieee":
+        out = hi
+    else:
+        out = hi + lo
     return out
 
 
@@ -190,6 +203,13 @@ def _values(vz, rows, exists, d, BH: tl.constexpr, BM: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
+def _load_rows(ptr, at, ok, d, BD: tl.constexpr):
+    """Rows at[n] of a ``(rows, d)`` tensor ``(N, BD)``; 0 where not ok and past d."""
+    ch = tl.arange(0, BD)[None, :]
+    return tl.load(ptr + at[:, None] * d + ch, mask=ok[:, None] & (ch < d), other=0.0)
+
+
+@triton.jit
 def _keep(bits_ptr, zl, g, slot, counts, G, J, BM: tl.constexpr):
     """Each row's keep mask at the block's slots ``(NR, BH, BM)`` from :func:`keep_bits`."""
     bits = tl.load(bits_ptr + (zl * G + g)[:, None] * J + slot, mask=counts, other=0)
@@ -259,10 +279,8 @@ def _one_hot(h0, query, H, slot_ptr, BJ: tl.constexpr, BH: tl.constexpr, BM: tl.
              dtype: tl.constexpr):  # fmt: skip
     """Which neighbour j of the tile's query ``query`` each column (h, m) of a block is: ``(j,
     (h, m))``, 1 or 0, ``(BJ, BH BM)``."""
-    slot = tl.load(slot_ptr + query * H + h0 + tl.arange(0, BH))
-    hit = slot[None, :, None] == tl.arange(0, BJ)[:, None, None]
-    hit = tl.broadcast_to(hit, (BJ, BH, BM))
-    return tl.reshape(tl.where(hit, 1.0, 0.0).to(dtype), (BJ, BH * BM))
+    slot = tl.load(slot_ptr + query * H + h0 + tl.arange(0, BH * BM) // BM)  # per column
+    return tl.where(slot[None, :] == tl.arange(0, BJ)[:, None], 1.0, 0.0).to(dtype)
 
 
 @triton.jit
@@ -479,6 +497,16 @@ def attention_backward(
         go = tl.load(go_ptr + (zl * GO + rv)[:, None] * d + ch, mask=live[:, None] & (ch < d),
                      other=0.0)  # fmt: skip
         go_hi, go_lo = _split(go, PRECISION)
+        # once per (query, g), which the rows r share: q; per (query, r), which the sum form's
+        # rows g share: the output gradient
+        qg = tl.arange(0, BQ * BG)
+        i_g = t * BQ + qg // BG
+        q_g = _load_rows(q_ptr, (z * L + i_g.to(tl.int64)) * G + qg % BG,
+                         (i_g < L) & (qg % BG < G), d, BD)  # fmt: skip
+        qr = tl.arange(0, BQ * BR)
+        i_r = t * BQ + qr // BR
+        go_r = _load_rows(go_ptr, (z * L + i_r.to(tl.int64)) * GO + r0 + qr % BR,
+                          (i_r < L) & (r0 + qr % BR < T), d, BD)  # fmt: skip
 
         # A = GO . O per row, from the forward's O
         o = tl.load(rows_ptr + ((zl * T + r) * G + g)[:, None] * d + ch,
@@ -486,7 +514,8 @@ def attention_backward(
         big_a = tl.sum(o * go, axis=1)
 
         # the gradients, one pass over the halo
-        dq = tl.zeros((NR, BD), dtype)  # sum_h dx K, per row
+        dq = tl.zeros((NR, BD), dtype)  # per row: sum_h dx K (BR = 1), the group part
+        dq_g = tl.zeros((BQ * BG, BD), dtype)  # per (query, g): sum_(h, r) dx K (BR > 1)
         dgl = tl.zeros((NR, BM), dtype)  # sum_h dx
         dqe = tl.zeros((NR, BE), dtype)  # sum_h dsp rho
         dsp_j = tl.zeros((NR, BJ), dtype)  # a local term's d sp by neighbour j
@@ -498,11 +527,23 @@ def attention_backward(
             )  # fmt: skip
             dp = _dot(go_hi, go_lo, tl.trans(v_hi), tl.trans(v_lo), PRECISION)
             dx = wk * dp - w * big_a[:, None]
-            dx_hi, dx_lo = _split(dx, PRECISION)
-            wk_hi, wk_lo = _split(wk, PRECISION)
-            dq += _dot(dx_hi, dx_lo, k_hi, k_lo, PRECISION)
-            dkeys = _dot(tl.trans(dx_hi), tl.trans(dx_lo), q_hi, q_lo, PRECISION)
-            dvals = _dot(tl.trans(wk_hi), tl.trans(wk_lo), go_hi, go_lo, PRECISION)
+            if BR == 1 or SP_DOT:
+                dx_hi, dx_lo = _split(dx, PRECISION)
+            if BR == 1:
+                dq += _dot(dx_hi, dx_lo, k_hi, k_lo, PRECISION)
+                dkeys = _dot(tl.trans(dx_hi), tl.trans(dx_lo), q_hi, q_lo, PRECISION)
+            else:  # q is the same for every r: sum dx over r first (BQ BG rows, not NR)
+                dxr = tl.reshape(tl.sum(tl.reshape(dx, (BQ, BR, BG, BH * BM)), axis=1),
+                                 (BQ * BG, BH * BM))  # fmt: skip
+                keys = _joined(k_hi, k_lo, PRECISION)
+                dq_g += tl.sum(dxr[:, :, None] * keys[None, :, :], axis=1)
+                dkeys = tl.sum(dxr[:, :, None] * q_g[:, None, :], axis=0)
+            if BR == 1 or BG == 1:
+                wk_hi, wk_lo = _split(wk, PRECISION)
+                dvals = _dot(tl.trans(wk_hi), tl.trans(wk_lo), go_hi, go_lo, PRECISION)
+            else:  # the sum form's rows g share GO: dVal = sum_(i, r) (sum_g W keep) go[i, r]
+                wkg = tl.sum(tl.reshape(wk, (BQ * BR, BG, BH * BM)), axis=1)
+                dvals = tl.sum(wkg[:, :, None] * go_r[:, None, :], axis=0)
             chk = tl.arange(0, BD)[None, None, :]
             kv_at = rows[:, :, None] * d + chk
             kv_ok = exists[:, :, None] & (chk < d)
@@ -568,7 +609,7 @@ def attention_backward(
                              mask=keep)  # fmt: skip
         # dq of each row (the content part, the group part on the last c channels) summed
         # over r, then the spatial part summed over r on the first e channels
-        dq = tl.sum(tl.reshape(dq, (BQ, BR, BG, BD)), axis=1)  # (BQ, BG, BD)
+        dq = tl.sum(tl.reshape(dq, (BQ, BR, BG, BD)), axis=1) + tl.reshape(dq_g, (BQ, BG, BD))
         if HAS_RHO:
             dqe = tl.reshape(tl.sum(tl.reshape(dqe, (BQ, BR, BG, BE)), axis=1), (BQ * BG, BE))
             ce = tl.arange(0, BE)[None, :, None]

@@ -268,7 +268,7 @@ def _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION: tl.constexpr, NR: tl.c
     one-hot map of the row's query (:func:`_one_hot`)."""
     a_hi, a_lo = _split(qe, PRECISION)
     sp = tl.zeros((NR, BJ), qe.dtype)
-    for vr in tl.static_range(BRV):
+    for vr in range(V):
         b_hi, b_lo = _split(_rho_row(rho_ptr, vr, V, D, e, J, BE, BJ), PRECISION)
         sp += tl.where((rv == vr)[:, None], _dot(a_hi, a_lo, b_hi, b_lo, PRECISION), 0.0)
     return _split(sp * LOG2E, PRECISION)
@@ -574,7 +574,7 @@ def attention_backward(
             d_hi, d_lo = _split(dsp_j, PRECISION)
             ce = tl.arange(0, BE)[:, None]
             j = tl.arange(0, BJ)[None, :]
-            for vr in tl.static_range(BRV):
+            for vr in range(V):
                 own = (rv == vr)[:, None]
                 a_hi, a_lo = _split(tl.where(own, qe, 0.0), PRECISION)
                 tl.atomic_add(drho_ptr + (vr * D + j) * e + ce,

@@ -36,9 +36,10 @@ MAX_ROWS = 64
 PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
 # Backward programs a multiprocessor: each takes tiles in turn and sums its d grho
 PROGRAMS_PER_SM = 8
-# Warps of a backward program at least: one warp holding a tile's rows, their gradients and
-# the forward's state runs out of registers and spills.
-BACKWARD_WARPS = 2
+# Warps of a backward program at least where a local spatial term goes through products
+# (SP_DOT): one warp holding a tile's rows, the tile's logits by neighbour and their
+# gradients runs out of registers and spills.
+SP_DOT_BACKWARD_WARPS = 2
 
 _MASK32 = 0xFFFFFFFF
 _NONE = torch.iinfo(torch.int64).max
@@ -268,7 +269,8 @@ def backward_launch(grads, grad_out, stats, launch, copies: int = 1, programs: i
     drho = rho.new_zeros(copies, *rho.shape) if meta["HAS_RHO"] else q
     args = (dq, dk, dv, dgrho, drho, grad_out, *stats, *args, grad_out.shape[2], copies,
             tiles)  # fmt: skip
-    meta = {**meta, "num_warps": max(meta["num_warps"], BACKWARD_WARPS)}
+    if meta["SP_DOT"]:
+        meta = {**meta, "num_warps": max(meta["num_warps"], SP_DOT_BACKWARD_WARPS)}
     return program.attention_backward, grid, args, meta
 
 

@@ -72,23 +72,21 @@ def encoding(group_rho, single: bool):
     return (group_rho if group_rho.dim() == 4 else group_rho[None]).contiguous()
 
 
-def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int, j: int,
-               single: bool) -> dict[str, int]:  # fmt: skip
+def tile_sizes(g: int, m: int, rows: int, d: int, c: int, e: int, j: int) -> dict[str, int]:
     """Block sizes, powers of two: BQ queries a tile, whose rows (query, outer row, element;
     ``rows``: the outer rows R of a query, 1 in the single form, BT = R rounded up) fill at
     least one matrix tile, BR of the rows r a program (CHUNKS programs a tile, at most
     :data:`MAX_ROWS` rows each), and BH halo points a block, whose BH BM columns are at least
-    :data:`DOT_MIN` and about :data:`COLUMNS`; BRV rows of a spatial table, BE channels and
-    BJ >= DOT_MIN neighbours (the tile's spatial logits by neighbour j, ``(rows, BJ)``, are a
+    :data:`DOT_MIN` and about :data:`COLUMNS`; a spatial table's BE channels and BJ >=
+    DOT_MIN neighbours (the tile's spatial logits by neighbour j, ``(rows, BJ)``, are a
     product; :func:`plan` raises BE to DOT_MIN where it forms them)."""
     bg, bm, bt = _power2(g), _power2(m), _power2(rows)
     bq = max(1, DOT_MIN // (bt * bg))
     br = max(1, min(bt, MAX_ROWS // (bq * bg)), DOT_MIN // (bq * bg))
     bh = max(_power2(-(-DOT_MIN // bm)), COLUMNS // bm)
-    brv = bg if single else bt
     return dict(BQ=bq, BR=br, BT=bt, CHUNKS=bt // br, BH=bh, BG=bg, BM=bm,
                 BD=max(_power2(d), DOT_MIN), BC=_power2(c), BE=_power2(e),
-                BRV=brv, BJ=max(_power2(j), DOT_MIN))  # fmt: skip
+                BJ=max(_power2(j), DOT_MIN))  # fmt: skip
 
 
 def tile_maps(neighbour, valid, offsets, bq: int, bh: int):
@@ -150,7 +148,7 @@ def _launch(q, k, grho, rho, neighbour, offsets, valid, single: bool, n: int):
     c = 0 if grho is None else grho.shape[-1]
     e, distinct = (rho.shape[2], rho.shape[1]) if rho is not None else (0, 0)
     rows = _rows(single, rho, n, gl_v)
-    blocks = tile_sizes(g, m, 1 if single else rows, d, c, e, j, single)
+    blocks = tile_sizes(g, m, 1 if single else rows, d, c, e, j)
     blocks["BV"] = _power2(n)
     halo, slot, row = tile_maps(neighbour, valid, offsets, blocks["BQ"], blocks["BH"])
     sizes = (n_q, n_kv, halo.shape[0], halo.shape[1], j, m, g, d, c, e, distinct, n, rows)

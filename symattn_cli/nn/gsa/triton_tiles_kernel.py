@@ -261,7 +261,7 @@ def _rho_row(rho_ptr, vr, V, D, e, J, BE: tl.constexpr, BJ: tl.constexpr):
 
 @triton.jit
 def _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION: tl.constexpr, NR: tl.constexpr,
-                  BRV: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):  # fmt: skip
+                  BE: tl.constexpr, BJ: tl.constexpr):  # fmt: skip
     """A local spatial term's logits of the tile, once: log2(e) q[:, :e] . rho[rv, j] for every
     row and neighbour j ``(NR, BJ)``, split (:func:`_split`); ``qe`` the rows' first e
     channels ``(NR, BE)``, one product per row of rho. A block's part is then this times the
@@ -326,7 +326,7 @@ def _tile_rows(q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J,
                HAS_GL: tl.constexpr, GL_V: tl.constexpr, SP_DOT: tl.constexpr,
                SINGLE: tl.constexpr, PRECISION: tl.constexpr, BQ: tl.constexpr,
                BR: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-               BC: tl.constexpr, BE: tl.constexpr, BRV: tl.constexpr,
+               BC: tl.constexpr, BE: tl.constexpr,
                BJ: tl.constexpr):  # fmt: skip
     """Tile t's rows (:func:`_rows`) and what both kernels hold through the halo loop: zl = z L
     + i, the halo row of each, which count, r, g, each row's row of rho (r; single form: g) and
@@ -352,8 +352,8 @@ def _tile_rows(q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J,
     sp_hi = q_hi  # stand-ins without a local spatial term
     sp_lo = q_lo
     if SP_DOT:
-        sp_hi, sp_lo = _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION, BQ * BR * BG, BRV,
-                                     BE, BJ)  # fmt: skip
+        sp_hi, sp_lo = _local_logits(qe, rho_ptr, rv, e, V, D, J, PRECISION, BQ * BR * BG, BE,
+                                     BJ)  # fmt: skip
     tq = t * BQ + iq
     return zl, tq, iq, live, r, g, rv, gr, q_hi, q_lo, qe, qe * LOG2E, bias, sp_hi, sp_lo
 
@@ -366,7 +366,7 @@ def attention_forward(
     HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    CHUNKS: tl.constexpr, BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The rows' outputs O ``(Z, L, T, G, d)``, out ``(Z, L, V, d)`` (the single form: O
     itself, not written) and the log-sum-exp LSE ``(Z, L, T, G)``, one tile of BQ queries a
@@ -378,7 +378,7 @@ def attention_forward(
     t = pid // CHUNKS % NT
     zl, tq, _iq, live, r, g, rv, _gr, q_hi, q_lo, _qe, qe2, bias, sp_hi, sp_lo = _tile_rows(
         q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J, HAS_GL, GL_V, SP_DOT,
-        SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BRV, BJ,
+        SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BJ,
     )  # fmt: skip
     kz = k_ptr + z * Lkv * M * d
     vz = v_ptr + z * Lkv * M * d
@@ -461,7 +461,7 @@ def attention_backward(
     HAS_OFFSETS: tl.constexpr, SP_DOT: tl.constexpr, SINGLE: tl.constexpr, DROP: tl.constexpr,
     BQ: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
     BD: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    CHUNKS: tl.constexpr, BRV: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr, BJ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq ``(Z, L, G, d)`` and this program's d grho ``(Vg, G, M, c)`` (row ``pid`` of
     ``dgrho``) written; dk, dv ``(Z, Lkv, M, d)`` and drho ``(COPIES, V, D, e)`` added to
@@ -484,7 +484,7 @@ def attention_backward(
         t = tile // CHUNKS % NT
         zl, tq, iq, live, r, g, rv, gr, q_hi, q_lo, qe, qe2, bias, sp_hi, sp_lo = _tile_rows(
             q_ptr, grho_ptr, rho_ptr, t, r0, z, L, T, G, M, d, c, e, V, D, J, HAS_GL, GL_V,
-            SP_DOT, SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BRV, BJ,
+            SP_DOT, SINGLE, PRECISION, BQ, BR, BG, BM, BD, BC, BE, BJ,
         )  # fmt: skip
         dtype = q_hi.dtype
         kz = k_ptr + z * Lkv * M * d
@@ -494,8 +494,7 @@ def attention_backward(
         halo = halo_ptr + t * H
         # in base 2; padding rows get +inf: W = 0 there
         lse = tl.load(lse_ptr + (zl * T + r) * G + g, mask=live, other=float("inf")) * LOG2E
-        go = tl.load(go_ptr + (zl * GO + rv)[:, None] * d + ch, mask=live[:, None] & (ch < d),
-                     other=0.0)  # fmt: skip
+        go = _load_rows(go_ptr, zl * GO + rv, live, d, BD)
         go_hi, go_lo = _split(go, PRECISION)
         # once per (query, g), which the rows r share: q; per (query, r), which the sum form's
         # rows g share: the output gradient
@@ -509,8 +508,7 @@ def attention_backward(
                           (i_r < L) & (r0 + qr % BR < T), d, BD)  # fmt: skip
 
         # A = GO . O per row, from the forward's O
-        o = tl.load(rows_ptr + ((zl * T + r) * G + g)[:, None] * d + ch,
-                    mask=live[:, None] & (ch < d), other=0.0)  # fmt: skip
+        o = _load_rows(rows_ptr, (zl * T + r) * G + g, live, d, BD)
         big_a = tl.sum(o * go, axis=1)
 
         # the gradients, one pass over the halo

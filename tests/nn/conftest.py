@@ -18,12 +18,39 @@ def kernel() -> None:
     assert gsa_cpp.load() is not None, "the C++ attention kernel did not build"
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def backend(request) -> str:
-    """Runs a test on each backend of the attention core that runs on the CPU."""
+@pytest.fixture(scope="session")
+def other_width_kernel():
+    """The C++ kernel built with tiles of the other vector width than the host's (32 bytes on
+    an AVX-512 host, else 64): both widths are checked wherever the tests run."""
+    module = gsa_cpp.load()
+    assert module is not None, "the C++ attention kernel did not build"
+    return gsa_cpp.load_source(gsa_cpp.SOURCE, vector_bytes=96 - module.vector_bytes)
+
+
+@pytest.fixture(params=["host-width", "other-width"])
+def kernel_at_each_width(request, kernel) -> None:
+    """For tests of the C++ kernel's tiles: runs the test with the kernel built at the host's
+    vector width, then at the other one."""
+    if request.param == "host-width":
+        yield
+        return
+    with gsa_cpp.using(request.getfixturevalue("other_width_kernel")):
+        yield
+
+
+@pytest.fixture(params=["cpp", "cpp-other-width", "torch"])
+def backend(request):
+    """Runs a test on each backend of the attention core that runs on the CPU, the C++ kernel
+    at both vector widths."""
+    if request.param == "torch":
+        yield "torch"
+        return
+    request.getfixturevalue("kernel")
     if request.param == "cpp":
-        request.getfixturevalue("kernel")
-    return request.param
+        yield "cpp"
+        return
+    with gsa_cpp.using(request.getfixturevalue("other_width_kernel")):
+        yield "cpp"
 
 
 @pytest.fixture(scope="module")

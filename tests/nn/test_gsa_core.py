@@ -237,12 +237,12 @@ def _assert_the_kernel_gives_the_oracles(inputs, form, dtype, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("form", ["sum", "single"])
-def test_kernel_reads_every_neighbour_layout(dtype, form, kernel):
-    """A tile of queries (16 floats or 8 doubles) whose neighbours are one run of consecutive
-    points, two runs (a tile across the end of a row), several runs, one point or no run (a
-    row listed backwards) gives the oracle's values and gradients, dropout included. At one
-    point, a full tile sums its dk and dv rows over the lanes T rows at a time (M d = 18 of
-    them: one or two blocks and a rest)."""
+def test_kernel_reads_every_neighbour_layout(dtype, form, kernel_at_each_width):
+    """A tile of queries (T lanes: 16 or 8 floats, 8 or 4 doubles, by the vector width) whose
+    neighbours are one run of consecutive points, two runs (a tile across the end of a row),
+    several runs, one point or no run (a row listed backwards) gives the oracle's values and
+    gradients, dropout included. At one point, a full tile sums its dk and dv rows over the
+    lanes T rows at a time (M d = 18 of them: blocks and a rest)."""
     for width, reverse in [(11, False), (5, False), (11, True), (1, False), (17, False)]:
         nb = _rows_of(width, 6, [0, 1, 3, 2], reverse)
         if width in (1, 17):  # tiles with a lane past the last query, and full ones
@@ -267,7 +267,7 @@ def _entries_of(width: int, rows: int, shift: list[int], upwards: bool) -> torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("form", ["sum", "single"])
-def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
+def test_kernel_reads_every_table_entry_layout(dtype, form, kernel_at_each_width):
     """A global layer's tile reads its spatial table at each lane's own entry, off(i, j): one
     rising run, two (a tile across the end of an image row), two whose second run lies below
     the first (read lane by lane), several, one entry for every lane; the values and
@@ -288,7 +288,7 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel):
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
-def test_kernel_threads_give_the_same_values_and_gradients(form, kernel):
+def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_width):
     """The kernel splits tiles of queries among torch's threads, in both passes; a batch-head
     whose tiles two threads share (2 batch-heads of 5 tiles of 8 doubles over 3 threads) gets
     its dk and dv summed after them. One thread or three, the same numbers (up to the order of

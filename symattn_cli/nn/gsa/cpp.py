@@ -4,7 +4,8 @@ on first use.
 The extension is compiled by torch's extension builder (a C++ compiler and ninja; about 30 s,
 once per source, checkout, CPU, torch and Python version) into :func:`build_directory`, under
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
-later processes load the cached build. It is compiled for the host CPU (``-march=native``).
+later processes load the cached build. It is compiled for the host CPU (``-march=native``),
+its tiles as wide as one of the host's vector registers (64 bytes with AVX-512, else 32).
 ``SYMATTN_CPP=0`` in the environment turns it off. When it cannot be built, a warning names
 the reason and the core runs its plain PyTorch backend (the same values, more slowly).
 
@@ -84,23 +85,26 @@ def load() -> ModuleType | None:
         return _STATE["module"]
 
 
-def load_source(source: Path) -> ModuleType:
+def load_source(source: Path, vector_bytes: int | None = None) -> ModuleType:
     """Another version of the kernel (a ``cpp_kernel.cpp`` of another revision, for side-by-side
     timings), built under a name of its own; the shipped one when ``source`` has its bytes.
-    Raises ``RuntimeError`` when it cannot be built."""
+    ``vector_bytes`` (32 or 64): its tiles' width instead of the host's register width (tests
+    check both widths on one host). Raises ``RuntimeError`` when it cannot be built."""
     text = Path(source).read_bytes()
     shipped = load()
     if shipped is not None and text == SOURCE.read_bytes():
-        return shipped
-    digest = hashlib.sha1(text).hexdigest()[:8]
+        if vector_bytes in (None, shipped.vector_bytes):
+            return shipped
+    digest = hashlib.sha1(text).hexdigest()[:8] + (f"_v{vector_bytes}" if vector_bytes else "")
     # a fixed place per version, so that a second run reuses the build
     stable = build_directory().parent / f"baseline-{digest}" / SOURCE.name
     stable.parent.mkdir(parents=True, exist_ok=True)
     if not stable.exists() or stable.read_bytes() != text:
         stable.write_bytes(text)
+    defines = [f"-DSYMATTN_VECTOR_BYTES={int(vector_bytes)}"] if vector_bytes else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        module = _build(stable, f"{NAME}_{digest}")
+        module = _build(stable, f"{NAME}_{digest}", defines)
     if module is None:
         raise RuntimeError(f"the kernel source {source} did not build")
     return module
@@ -145,7 +149,8 @@ def _build_lock(folder: Path):
         yield
 
 
-def _build(source: Path | None = None, name: str = NAME) -> ModuleType | None:
+def _build(source: Path | None = None, name: str = NAME, flags: list[str] | None = None
+           ) -> ModuleType | None:  # fmt: skip
     # Loading a cached build takes well under a second; if this takes longer, it compiles.
     notice = threading.Timer(
         2.0,
@@ -166,7 +171,7 @@ def _build(source: Path | None = None, name: str = NAME) -> ModuleType | None:
             return cpp_extension.load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", *_OPENMP],
+                extra_cflags=["-O3", "-march=native", *_OPENMP, *(flags or [])],
                 extra_ldflags=_OPENMP,
                 build_directory=str(folder),
                 verbose=False,

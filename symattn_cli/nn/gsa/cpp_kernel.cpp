@@ -1,9 +1,10 @@
 // The fused CPU kernel of the factorised attention core (core.py states the algorithm and
-// the letters). Queries are taken a tile of T at a time (one 64-byte vector of lanes: 16
-// floats or 8 doubles), one query per lane: every step of the per-query algorithm below is
-// then a vector operation across the tile, whatever the (small) sizes of J, M, G and d. A
-// tile's logits, both softmaxes and the value sums live in a per-thread workspace laid out
-// (..., T), never as tensors; the backward recomputes them per tile.
+// the letters). Queries are taken a tile of T at a time (one vector register of lanes: 16
+// floats or 8 doubles with AVX-512, 8 or 4 with AVX2), one query per lane: every step of the
+// per-query algorithm below is then a vector operation across the tile, whatever the (small)
+// sizes of J, M, G and d. A tile's logits, both softmaxes and the value sums live in a
+// per-thread workspace laid out (..., T), never as tensors; the backward recomputes them per
+// tile.
 //
 // Per query i (of batch-head z), with q (G, d), its neighbours' keys and values (J, M, d):
 //   c[j,m,g]  = q[g] . k[j,m] + gl[m,g]                  content + group logits
@@ -61,14 +62,23 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// A vector of T lanes, T = 16 floats or 8 doubles (64 bytes: one AVX-512 register, two AVX2
-// ones), with its same-width integer type.
-typedef float VecF __attribute__((vector_size(64)));
-typedef double VecD __attribute__((vector_size(64)));
-typedef int32_t VecI __attribute__((vector_size(64)));
-typedef int64_t VecL __attribute__((vector_size(64)));
-typedef uint32_t VecU16 __attribute__((vector_size(64)));  // 32-bit words of 16 or 8 lanes
-typedef uint32_t VecU8 __attribute__((vector_size(32)));
+// A vector of T lanes, one register of the target: 64 bytes with AVX-512 (T = 16 floats or 8
+// doubles), else 32 (8 or 4), with its same-width integer type; a build may set it (tests
+// build the other width too). Wider than a register, the compiler splits every operation and
+// moves many of the pieces through memory.
+#ifndef SYMATTN_VECTOR_BYTES
+#if defined(__AVX512F__)
+#define SYMATTN_VECTOR_BYTES 64
+#else
+#define SYMATTN_VECTOR_BYTES 32
+#endif
+#endif
+typedef float VecF __attribute__((vector_size(SYMATTN_VECTOR_BYTES)));
+typedef double VecD __attribute__((vector_size(SYMATTN_VECTOR_BYTES)));
+typedef int32_t VecI __attribute__((vector_size(SYMATTN_VECTOR_BYTES)));
+typedef int64_t VecL __attribute__((vector_size(SYMATTN_VECTOR_BYTES)));
+typedef uint32_t VecUF __attribute__((vector_size(SYMATTN_VECTOR_BYTES)));  // 32-bit words
+typedef uint32_t VecUD __attribute__((vector_size(SYMATTN_VECTOR_BYTES / 2)));  // of T lanes
 
 template <typename S>
 struct Lanes;
@@ -76,7 +86,7 @@ template <>
 struct Lanes<float> {
   using V = VecF;
   using I = VecI;
-  using U = VecU16;
+  using U = VecUF;
   static constexpr int bias = 127, mantissa = 23;
   static constexpr float low = -87.0f;          // exp below: subnormal or 0
   static constexpr float round = 12582912.0f;   // 1.5 * 2^23: adding it rounds to integers
@@ -86,7 +96,7 @@ template <>
 struct Lanes<double> {
   using V = VecD;
   using I = VecL;
-  using U = VecU8;
+  using U = VecUD;
   static constexpr int bias = 1023, mantissa = 52;
   static constexpr double low = -708.0;
   static constexpr double round = 6755399441055744.0;  // 1.5 * 2^52
@@ -1126,5 +1136,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "fused factorised attention, forward (see core.py)");
   m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)");
   m.attr("rescales_dropout") = true;  // writes out times 1 / (1 - drop) itself
+  m.attr("vector_bytes") = SYMATTN_VECTOR_BYTES;  // a tile: this many bytes of queries
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for runs here");
 }

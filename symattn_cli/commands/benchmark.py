@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from symattn_cli.commands.common import (
+    cpu_name,
     environment,
     hydra_entry,
     run_dir,
@@ -223,7 +224,8 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     backends = ", ".join(dict.fromkeys(asked))
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
-        f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device}, "
+        f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device} "
+        f"({cpu_name() if settings.device == 'cpu' else _gpu_name(settings.device)}), "
         f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
         f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backends}",
         flush=True,

@@ -127,6 +127,26 @@ def git_commit() -> tuple[str, bool]:
     return "", False
 
 
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The host CPU's model and its widest vector instructions (``AMD EPYC, AVX2``), as Linux's
+    ``cpuinfo`` names them; the machine name (``x86_64``) where it cannot be read. The C++
+    kernel's tiles are one vector register wide, so its speed differs by the second part."""
+    model, flags = "", set()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    widest = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"),
+                                           ("asimd", "NEON")) if flag in flags), "")  # fmt: skip
+    return f"{model}, {widest}" if widest else model
+
+
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Versions, device and commit: written into every run file."""
     import h5py
@@ -134,7 +154,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     commit, dirty = git_commit()
-    device_name = platform.processor() or platform.machine()
+    device_name = cpu_name()
     if device.startswith("cuda") and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(torch.device(device))
     return {

@@ -68,18 +68,25 @@ FAST = Settings(repeats=1, warmup=0, threads=1, modes=("train",))
 
 @pytest.fixture
 def stand_in(tmp_path: Path, monkeypatch) -> Iterator[str]:
-    """A stand-in checkout; its modules leave this process with the test."""
+    """A stand-in checkout, and a stand-in einops (which their code imports) ahead of any
+    installed one, here and in child processes; its modules leave this process with the test."""
     before = set(sys.modules)
+    site = tmp_path / "site"
+    (site / "einops").mkdir(parents=True)
+    (site / "einops" / "__init__.py").write_text("")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
     code = tmp_path / "g_selfatt"
     (code / "g_selfatt" / "groups").mkdir(parents=True)
     (code / "g_selfatt" / "__init__.py").write_text("")
     (code / "g_selfatt" / "groups" / "__init__.py").write_text(GROUPS)
     (code / "models").mkdir()
     (code / "models" / "__init__.py").write_text(MODELS)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
     yield str(code)
     for name in set(sys.modules) - before:
-        if name.split(".")[0] in ("g_selfatt", "models"):
+        if name.split(".")[0] in ("g_selfatt", "models", "einops"):
             del sys.modules[name]
 
 

@@ -5,7 +5,7 @@ The extension is compiled by torch's extension builder (a C++ compiler and ninja
 once per source, checkout, CPU, torch and Python version) into :func:`build_directory`, under
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``);
 later processes load the cached build. It is compiled for the host CPU (``-march=native``),
-its tiles as wide as one of the host's vector registers (64 bytes with AVX-512, else 32).
+its tiles 64 bytes wide with AVX-512 (one vector register), else 32 (one AVX2 register).
 ``SYMATTN_CPP=0`` in the environment turns it off. When it cannot be built, a warning names
 the reason and the core runs its plain PyTorch backend (the same values, more slowly).
 

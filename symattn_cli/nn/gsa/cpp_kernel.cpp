@@ -62,10 +62,10 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// A vector of T lanes, one register of the target: 64 bytes with AVX-512 (T = 16 floats or 8
-// doubles), else 32 (8 or 4), with its same-width integer type; a build may set it (tests
-// build the other width too). Wider than a register, the compiler splits every operation and
-// moves many of the pieces through memory.
+// A vector of T lanes: 64 bytes with AVX-512 (T = 16 floats or 8 doubles), else 32 (8 or 4:
+// one AVX2 register, two of ARM's NEON), with its same-width integer type; a build may set
+// 32 or 64 (tests build the other width too). Wider than a register, the compiler splits
+// every operation and moves many of the pieces through memory.
 #ifndef SYMATTN_VECTOR_BYTES
 #if defined(__AVX512F__)
 #define SYMATTN_VECTOR_BYTES 64

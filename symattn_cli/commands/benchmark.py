@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from symattn_cli.commands.common import (
-    cpu_name,
+    device_name,
     environment,
     hydra_entry,
     run_dir,
@@ -105,12 +105,6 @@ def _device(name: str) -> str:
     if not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but no CUDA GPU is visible; use device=cpu")
     return name
-
-
-def _gpu_name(device: str) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device)
 
 
 def run_cases(cases, infos, settings, *, fresh: bool, timeout: float) -> list[dict[str, Any]]:
@@ -225,7 +219,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
     print(
         f"benchmark preset={preset.name}: {len(cases)} cases, {settings.repeats} repeats after "
         f"{settings.warmup} warm-up, modes {list(settings.modes)}, device {settings.device} "
-        f"({cpu_name() if settings.device == 'cpu' else _gpu_name(settings.device)}), "
+        f"({device_name(settings.device)}), "
         f"{torch.get_num_threads()} threads, {'fresh process per case' if fresh else 'in process'}"
         f"; fp32 GEMM {gemm:.1f} GFLOP/s; attention backend {backends}",
         flush=True,
@@ -359,7 +353,7 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     directory = run_dir()
     started = time.perf_counter()
     console = Console(width=None if sys.stdout.isatty() else 250)
-    timed = "not run" if device is None else f"each launch also timed on {_gpu_name(device)}"
+    timed = "not run" if device is None else f"each launch also timed on {device_name(device)}"
     print(f"benchmark preset=gpu-static: {len(cases)} cases compiled for sm_{cfg.arch} "
           f"({timed}); the bounds are estimates; {static.assumptions(cfg.arch)}",
           flush=True)  # fmt: skip

@@ -130,7 +130,7 @@ def git_commit() -> tuple[str, bool]:
 def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The host CPU's model and its widest vector instructions (``AMD EPYC, AVX2``), as Linux's
     ``cpuinfo`` names them; the machine name (``x86_64``) where it cannot be read. The C++
-    kernel's tiles are one vector register wide, so its speed differs by the second part."""
+    kernel's tile width follows the vector instructions, so its speed differs by them."""
     model, flags = "", set()
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -147,6 +147,15 @@ def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{model}, {widest}" if widest else model
 
 
+def device_name(device: str = "cpu") -> str:
+    """The GPU's name for a CUDA device that is visible, else the CPU's (:func:`cpu_name`)."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_name()
+
+
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Versions, device and commit: written into every run file."""
     import h5py
@@ -154,9 +163,6 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     commit, dirty = git_commit()
-    device_name = cpu_name()
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name(torch.device(device))
     return {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -166,7 +172,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "h5py": h5py.__version__,
         "platform": platform.platform(),
         "device": device,
-        "device_name": device_name,
+        "device_name": device_name(device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count() or 0,
         "argv": " ".join(sys.argv),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from symattn_cli.commands.common import cpu_name, environment
+from symattn_cli.commands.common import cpu_name, device_name, environment
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -30,4 +30,4 @@ def test_the_cpu_is_named_with_its_widest_vector_instructions(tmp_path: Path):
 
 
 def test_a_cpu_runs_record_the_cpus_name():
-    assert environment("cpu")["device_name"] == cpu_name()
+    assert environment("cpu")["device_name"] == device_name("cpu") == cpu_name()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -27,14 +29,18 @@ def other_width_kernel():
     return gsa_cpp.load_source(gsa_cpp.SOURCE, vector_bytes=96 - module.vector_bytes)
 
 
+def _at_width(request, other: bool):
+    """Runs the enclosed code on the other-width kernel (``other``), else on the host's."""
+    if not other:
+        return contextlib.nullcontext()
+    return gsa_cpp.using(request.getfixturevalue("other_width_kernel"))
+
+
 @pytest.fixture(params=["host-width", "other-width"])
 def kernel_at_each_width(request, kernel) -> None:
     """For tests of the C++ kernel's tiles: runs the test with the kernel built at the host's
     vector width, then at the other one."""
-    if request.param == "host-width":
-        yield
-        return
-    with gsa_cpp.using(request.getfixturevalue("other_width_kernel")):
+    with _at_width(request, request.param == "other-width"):
         yield
 
 
@@ -46,10 +52,7 @@ def backend(request):
         yield "torch"
         return
     request.getfixturevalue("kernel")
-    if request.param == "cpp":
-        yield "cpp"
-        return
-    with gsa_cpp.using(request.getfixturevalue("other_width_kernel")):
+    with _at_width(request, request.param == "cpp-other-width"):
         yield "cpp"
 
 

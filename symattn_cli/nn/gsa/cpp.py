@@ -101,7 +101,7 @@ def load_source(source: Path, vector_bytes: int | None = None) -> ModuleType:
     stable.parent.mkdir(parents=True, exist_ok=True)
     if not stable.exists() or stable.read_bytes() != text:
         stable.write_bytes(text)
-    defines = [f"-DSYMATTN_VECTOR_BYTES={int(vector_bytes)}"] if vector_bytes else []
+    defines = [f"-DSYMATTN_VECTOR_BYTES={vector_bytes}"] if vector_bytes else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         module = _build(stable, f"{NAME}_{digest}", defines)
@@ -149,8 +149,9 @@ def _build_lock(folder: Path):
         yield
 
 
-def _build(source: Path | None = None, name: str = NAME, flags: list[str] | None = None
-           ) -> ModuleType | None:  # fmt: skip
+def _build(
+    source: Path | None = None, name: str = NAME, flags: list[str] | None = None
+) -> ModuleType | None:
     # Loading a cached build takes well under a second; if this takes longer, it compiles.
     notice = threading.Timer(
         2.0,

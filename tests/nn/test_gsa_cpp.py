@@ -35,6 +35,13 @@ def test_the_kernel_runs_on_every_intra_op_thread():
         torch.set_num_threads(threads)
 
 
+def test_a_tile_is_one_vector_register_of_the_host(kernel):
+    """64 bytes with AVX-512, else 32: wider than a register, every vector operation is split
+    into pieces moved through memory."""
+    wide = "avx512f" in gsa_cpp._cpu_flags().split()
+    assert gsa_cpp.load().vector_bytes == (64 if wide else 32)
+
+
 def test_a_failed_build_warns_with_the_fix_and_falls_back(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 

@@ -36,8 +36,8 @@ class ImageTensorDataset(Dataset):
 
     ``images`` is ``(N, C, H, W)``, either uint8 (scaled by 1/255 on the way out, which keeps
     CIFAR-sized sets at a quarter of the memory) or float32 (served as is). ``mean``/``std``
-    (per channel) normalise after scaling; ``augment`` maps one float image to another and is
-    applied last (training split only).
+    (per channel) normalise after scaling; ``augment`` maps one float image to another (and,
+    with a ``many`` method, a batch of them) and is applied last (training split only).
     """
 
     def __init__(
@@ -74,6 +74,21 @@ class ImageTensorDataset(Dataset):
         if self.augment is not None:
             x = self.augment(x)
         return x, int(self.labels[index])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
+        """``[self[i] for i in indices]`` in one pass over the batch (the DataLoader's batched
+        fetch): one scaling and normalisation, and one call of ``augment.many`` on the ``(N,
+        C, H, W)`` images where the augmentation has it (the same draws, in the same order, as
+        one call per image)."""
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        x = self.images[index]
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        if self._mean is not None:
+            x = (x - self._mean) / self._std
+        if self.augment is not None:
+            many = getattr(self.augment, "many", None)
+            x = many(x) if many is not None else torch.stack([self.augment(one) for one in x])
+        return list(zip(x.unbind(0), self.labels[index].tolist(), strict=True))
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,17 @@ def stratified_split(labels: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...
     return tuple(splits)
 
 
-def random_rotation(x: torch.Tensor) -> torch.Tensor:
-    """One image ``(C, H, W)`` rotated by an angle uniform on [0°, 360°)."""
-    angle = torch.rand(1, dtype=torch.float64) * 360
-    return rotate(x[None], angle)[0].clamp_(0.0, 1.0)
+class RandomRotation:
+    """Images rotated by angles uniform on [0°, 360°) from torch's global generator: one image
+    ``(C, H, W)`` by a call, a batch ``(N, C, H, W)`` by :meth:`many`, which draws the angles
+    as N calls would and rotates each image alike (one batched interpolation)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.many(x[None])[0]
+
+    def many(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.rand(len(x), dtype=torch.float64) * 360  # (N,)
+        return rotate(x, angles).clamp_(0.0, 1.0)
 
 
 def build(name: str, options: Mapping[str, Any]) -> DataBundle:
@@ -133,7 +140,7 @@ def build(name: str, options: Mapping[str, Any]) -> DataBundle:
         keep = subsample(len(indices), requested, seed, split, f"data.num_{split}")
         if keep is not None:
             indices = indices[keep]
-        turn = random_rotation if augment and split == "train" else None
+        turn = RandomRotation() if augment and split == "train" else None
         datasets[split] = ImageTensorDataset(sources[split][indices], labels[indices], augment=turn)
 
     spec = classify_spec(options, 10, 1, IMAGE_SIZE, "rotmnist")

@@ -131,6 +131,43 @@ def test_mini_augment_draws_fresh_angles_from_the_upright_digits(mini, monkeypat
         build_data({"name": "rotmnist_mini", "variant": "upright", "augment": True}, Path("x"))
 
 
+@pytest.mark.parametrize("name", ["rotmnist_mini", "cifar_like"])
+def test_a_batched_fetch_gives_what_one_fetch_per_item_gives(name, monkeypatch):
+    """The DataLoader fetches a batch through ``__getitems__``: the same images and labels,
+    bit for bit, from the same draws of torch's generator as one ``dataset[i]`` per item, for
+    an augmentation with a batched form (rotmnist_mini's rotation) and one without (shifts,
+    flips and turns of uint8 images, normalised); then the generator stands at the same
+    place."""
+    from symattn_cli.data.image_common import GridAugmentation, ImageTensorDataset
+
+    if name == "rotmnist_mini":
+        data = build_data({"name": name, "num_train": 64, "augment": True}, Path("x")).train
+    else:
+        images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
+        augment = GridAugmentation(shift=2, flip=True, quarter_turns=True)
+        data = ImageTensorDataset(images, torch.arange(64) % 10, mean=[0.5, 0.4, 0.3],
+                                  std=[0.2, 0.3, 0.4], augment=augment)  # fmt: skip
+    indices = [5, 0, 63, 17, 17, 40]
+    torch.manual_seed(11)
+    one_by_one = [data[i] for i in indices]
+    after_one_by_one = torch.rand(())
+    torch.manual_seed(11)
+    batched = data.__getitems__(indices)
+    assert torch.rand(()) == after_one_by_one
+    assert [y for _, y in batched] == [y for _, y in one_by_one]
+    assert torch.equal(
+        torch.stack([x for x, _ in batched]), torch.stack([x for x, _ in one_by_one])
+    )
+    assert not torch.equal(batched[3][0], batched[4][0]) or name == "cifar_like"  # fresh draws
+
+    def refuse(self, index):
+        raise AssertionError("the loader fetched one item at a time")
+
+    monkeypatch.setattr(type(data), "__getitem__", refuse)
+    xs, ys = next(iter(torch.utils.data.DataLoader(data, batch_size=8)))
+    assert xs.shape[0] == ys.shape[0] == 8
+
+
 def test_mini_subsample_and_bad_options():
     small = build_data(
         {"name": "rotmnist_mini", "num_train": 64, "num_val": 16, "num_test": 32}, Path("x")

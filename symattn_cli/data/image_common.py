@@ -66,11 +66,15 @@ class ImageTensorDataset(Dataset):
     def __len__(self) -> int:
         return self.images.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        x = self.images[index]
-        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()  # (C, H, W)
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored images ``(..., C, H, W)`` as float32, scaled and normalised."""
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
         if self._mean is not None:
             x = (x - self._mean) / self._std
+        return x
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        x = self._scaled(self.images[index])  # (C, H, W)
         if self.augment is not None:
             x = self.augment(x)
         return x, int(self.labels[index])
@@ -81,10 +85,7 @@ class ImageTensorDataset(Dataset):
         C, H, W)`` images where the augmentation has it (the same draws, in the same order, as
         one call per image)."""
         index = torch.as_tensor(list(indices), dtype=torch.long)
-        x = self.images[index]
-        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
-        if self._mean is not None:
-            x = (x - self._mean) / self._std
+        x = self._scaled(self.images[index])  # (N, C, H, W)
         if self.augment is not None:
             many = getattr(self.augment, "many", None)
             x = many(x) if many is not None else torch.stack([self.augment(one) for one in x])

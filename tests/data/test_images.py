@@ -158,7 +158,8 @@ def test_a_batched_fetch_gives_what_one_fetch_per_item_gives(name, monkeypatch):
     assert torch.equal(
         torch.stack([x for x, _ in batched]), torch.stack([x for x, _ in one_by_one])
     )
-    assert not torch.equal(batched[3][0], batched[4][0]) or name == "cifar_like"  # fresh draws
+    if name == "rotmnist_mini":  # item 17 twice: a fresh angle each time
+        assert not torch.equal(batched[3][0], batched[4][0])
 
     def refuse(self, index):
         raise AssertionError("the loader fetched one item at a time")

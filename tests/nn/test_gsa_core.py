@@ -54,6 +54,9 @@ CASES = [
     # contractions over more than 256 (j, m) or (j, g): the kernel takes them in passes
     ("sum", dict(n_kv=48, j=40, g=2, m=8, by_v=True, local=False)),
     ("sum", dict(n_kv=48, j=40, g=8, m=2, local=False)),
+    # R4-sized group axes (the C++ kernel's loops take 4 and 8 as compile-time sizes)
+    ("sum", dict(g=4, m=4, d=6, e=2, by_v=True)),
+    ("single", dict(g=4, m=4, d=6, e=2)),
 ]
 
 

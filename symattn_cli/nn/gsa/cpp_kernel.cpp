@@ -573,11 +573,11 @@ void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename 
 // gl, pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
 // parts every v shares (group_row completes them per v). In the backward (go loaded), W is
 // not kept: each neighbour's W[j] gives dbeta[k, j, g] = go[k] . W[j, g] at once, into dt.
-template <typename S>
+template <typename S, int64_t FG, int64_t FM>
 void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d;
+  const int64_t G = FG ? FG : p.G, M = FM ? FM : p.M, J = p.J, d = p.d;
   if (p.emb) {  // gl[v, m, g] = tq[g, gidx[v, g, m]],  tq[g, r] = q[g, d-c:] . emb[r]
     const int64_t R = p.R;
     contract<V>(tl.tq, R, 1, {tl.q + d - p.c, d, 1}, {tl.emb_lanes, p.c, 1}, G, R, p.c, false);
@@ -659,12 +659,12 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
 // (into tl.ev, tl.evk) and F = 1. With dp = dP[v] (J, M) (the backward), the same pass over
 // E keep F also gives sm dbeta[j, g] = sum_m E keep F dP (dbeta = sum_m pi keep dP), into
 // dbeta (J, G).
-template <typename S>
+template <typename S, int64_t FG, int64_t FM>
 void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
                const typename Tile<S>::V* dp = nullptr, typename Tile<S>::V* dbeta = nullptr) {
   using V = typename Tile<S>::V;
   constexpr int64_t T = Tile<S>::T;
-  const int64_t G = p.G, M = p.M, J = p.J, MG = M * G;
+  const int64_t G = FG ? FG : p.G, M = FM ? FM : p.M, J = p.J, MG = M * G;
   const S inf = std::numeric_limits<S>::infinity();
   const V* glv = tl.gl + v * MG;
   V* f = tl.egl;
@@ -741,15 +741,15 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
 }
 
 // out (Z, d, V, L) at the tile's queries.
-template <typename S>
+template <typename S, int64_t FG, int64_t FM>
 void output_tile(const Problem<S>& p, Tile<S>& tl, S* out) {
   using V = typename Tile<S>::V;
-  const int64_t G = p.G, J = p.J, d = p.d;
+  const int64_t G = FG ? FG : p.G, J = p.J, d = p.d;
   const int64_t rows = p.single ? G : p.rows();  // distinct output rows
   V* o = tl.w + J * G * d;  // (rows, d), in the workspace after W
   if (p.by_v) {  // out[v] = sum_(j,m) P[v, j, m] val[j, m]
-    for (int64_t v = 0; v < p.V; ++v) group_row(p, tl, v);
-    const int64_t JM = J * p.M;
+    for (int64_t v = 0; v < p.V; ++v) group_row<S, FG, FM>(p, tl, v);
+    const int64_t JM = J * (FM ? FM : p.M);
     contract<V>(o, d, 1, {tl.pv, JM, 1}, {tl.vg, 1, d}, rows, d, JM, false);
   } else if (p.single) {  // out[g] = sum_j beta[j, g] W[j, g]
     for (int64_t g = 0; g < G; ++g)
@@ -796,11 +796,11 @@ void load_go(const Problem<S>& p, Tile<S>& tl, const S* go) {
 // dbeta in dt where not by_v). dq (Z, d, G, L) is laid out as q, dk and dv (d, M, Lkv) as the
 // tile's batch-head of k and v; drho_local (V, J, e) collects a local layer's d rho lane by
 // lane, tl.demb the group embedding's.
-template <typename S>
+template <typename S, int64_t FG, int64_t FM>
 void backward_tile(const Problem<S>& p, Tile<S>& tl, const Grads<S>& gr,
                    typename Tile<S>::V* drho_local) {
   using V = typename Tile<S>::V;
-  const int64_t G = p.G, M = p.M, J = p.J, d = p.d, e = p.e;
+  const int64_t G = FG ? FG : p.G, M = FM ? FM : p.M, J = p.J, d = p.d, e = p.e;
   const int64_t rows = p.rows();
   std::fill(tl.dq, tl.dq + G * d, V{});
   if (p.by_v) {
@@ -811,7 +811,7 @@ void backward_tile(const Problem<S>& p, Tile<S>& tl, const Grads<S>& gr,
     for (int64_t v = 0; v < p.V; ++v) {
       const V *f = tl.egl, *dp = tl.dpv + v * JM;
       V* dtv = tl.dt + v * J * G;
-      group_row(p, tl, v, dp, dtv);  // and sm dbeta, into dt
+      group_row<S, FG, FM>(p, tl, v, dp, dtv);  // and sm dbeta, into dt
       // acc[g] = sum_j beta dbeta = sum_j a (sm dbeta);  dt = beta (dbeta - acc)
       for (int64_t g = 0; g < G; ++g) {
         V sum{};
@@ -1010,6 +1010,17 @@ Tensor transposed_table(const OptTensor& rho, const OptTensor& offsets) {
   return rho && offsets ? rho->transpose(1, 2).contiguous() : Tensor();
 }
 
+// f(FG, FM): the sizes G and M of the group axes as compile-time constants where they are
+// those of the rotMNIST nets' group layers (R4: 4; R8 and R4 with mirrors: 8), so that the
+// per-tile loops over them unroll; else 0: the tile functions read G and M from the problem.
+template <typename F>
+void with_sizes(int64_t G, int64_t M, F&& f) {
+  using std::integral_constant;
+  if (G == 4 && M == 4) return f(integral_constant<int64_t, 4>{}, integral_constant<int64_t, 4>{});
+  if (G == 8 && M == 8) return f(integral_constant<int64_t, 8>{}, integral_constant<int64_t, 8>{});
+  f(integral_constant<int64_t, 0>{}, integral_constant<int64_t, 0>{});
+}
+
 // out (Z, d, V, L) from q (Z, d, G, L), k, v (Z, d, M, Lkv), emb (R, c) and gidx (1 or V,
 // G, M) or None, rho (V, D, e) or None, offsets (L, J) or None, neighbour (L, J), valid (L,
 // J) or None.
@@ -1028,13 +1039,16 @@ Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, const OptTenso
                               seed, rho_t);
     const int64_t tiles = (p.L + T - 1) / T;
     S* o = out.data_ptr<S>();
-    at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
-      Tile<S> tl(p, false);
-      for (int64_t zt = begin; zt < end; ++zt) {
-        tl.load(p, zt / tiles, (zt % tiles) * T);
-        forward_tile(p, tl);
-        output_tile(p, tl, o);
-      }
+    with_sizes(p.G, p.M, [&](auto fg, auto fm) {
+      constexpr int64_t FG = decltype(fg)::value, FM = decltype(fm)::value;
+      at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
+        Tile<S> tl(p, false);
+        for (int64_t zt = begin; zt < end; ++zt) {
+          tl.load(p, zt / tiles, (zt % tiles) * T);
+          forward_tile<S, FG, FM>(p, tl);
+          output_tile<S, FG, FM>(p, tl, o);
+        }
+      });
     });
   });
   return out;
@@ -1075,34 +1089,37 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
     // last batch-heads), zeroed on first use and added after the threads in their order.
     std::vector<int64_t> shared_z(2 * threads, -1);
     Tensor shared = at::empty({threads, 2, 2, slab}, q.options());
-    at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
-      Tile<S> tl(p, true);
-      const int64_t thread = at::get_thread_num();
-      S* drho = rho ? drho_parts.data_ptr<S>() + thread * rho_size : nullptr;
-      std::vector<V> drho_local(rho && !offsets ? p.V * p.J * p.e : 0);  // zeros
-      for (int64_t zt = begin; zt < end; ++zt) {
-        const int64_t z = zt / tiles;
-        Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>() + z * slab, dv.data_ptr<S>() + z * slab,
-                    drho};
-        if (z * tiles < begin || (z + 1) * tiles > end) {  // shared with another thread
-          const int64_t side = z * tiles < begin ? 0 : 1;
-          S* own = shared.data_ptr<S>() + (thread * 2 + side) * 2 * slab;
-          if (shared_z[2 * thread + side] != z) std::fill(own, own + 2 * slab, S(0));
-          shared_z[2 * thread + side] = z;
-          gr.dk = own, gr.dv = own + slab;
+    with_sizes(p.G, p.M, [&](auto fg, auto fm) {
+      constexpr int64_t FG = decltype(fg)::value, FM = decltype(fm)::value;
+      at::parallel_for(0, p.Z * tiles, 1, [&](int64_t begin, int64_t end) {
+        Tile<S> tl(p, true);
+        const int64_t thread = at::get_thread_num();
+        S* drho = rho ? drho_parts.data_ptr<S>() + thread * rho_size : nullptr;
+        std::vector<V> drho_local(rho && !offsets ? p.V * p.J * p.e : 0);  // zeros
+        for (int64_t zt = begin; zt < end; ++zt) {
+          const int64_t z = zt / tiles;
+          Grads<S> gr{dq.data_ptr<S>(), dk.data_ptr<S>() + z * slab, dv.data_ptr<S>() + z * slab,
+                      drho};
+          if (z * tiles < begin || (z + 1) * tiles > end) {  // shared with another thread
+            const int64_t side = z * tiles < begin ? 0 : 1;
+            S* own = shared.data_ptr<S>() + (thread * 2 + side) * 2 * slab;
+            if (shared_z[2 * thread + side] != z) std::fill(own, own + 2 * slab, S(0));
+            shared_z[2 * thread + side] = z;
+            gr.dk = own, gr.dv = own + slab;
+          }
+          tl.load(p, z, (zt % tiles) * T);
+          load_go(p, tl, go);
+          forward_tile<S, FG, FM>(p, tl, true);
+          backward_tile<S, FG, FM>(p, tl, gr, drho_local.data());
         }
-        tl.load(p, z, (zt % tiles) * T);
-        load_go(p, tl, go);
-        forward_tile(p, tl, true);
-        backward_tile(p, tl, gr, drho_local.data());
-      }
-      for (size_t a = 0; a < drho_local.size(); ++a)
-        for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];
-      if (emb) {
-        S* demb = demb_parts.data_ptr<S>() + thread * p.R * p.c;
-        for (int64_t a = 0; a < p.R * p.c; ++a)
-          for (int64_t t = 0; t < T; ++t) demb[a] += tl.demb[a][t];
-      }
+        for (size_t a = 0; a < drho_local.size(); ++a)
+          for (int64_t t = 0; t < T; ++t) drho[p.local_row(a)] += drho_local[a][t];
+        if (emb) {
+          S* demb = demb_parts.data_ptr<S>() + thread * p.R * p.c;
+          for (int64_t a = 0; a < p.R * p.c; ++a)
+            for (int64_t t = 0; t < T; ++t) demb[a] += tl.demb[a][t];
+        }
+      });
     });
     for (int64_t a = 0; a < 2 * threads; ++a) {
       const int64_t z = shared_z[a];

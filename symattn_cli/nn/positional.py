@@ -58,9 +58,20 @@ class RelativePositionEncoding(nn.Module):
         return 2 * self.dim_per_axis
 
     def forward(self, offsets: torch.Tensor, matrices: torch.Tensor, scale: float) -> torch.Tensor:
-        shape = offsets.shape[:-1]
+        return self.encode(*self.arguments(offsets, matrices, scale))
+
+    @staticmethod
+    def arguments(
+        offsets: torch.Tensor, matrices: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The MLPs' inputs, ``v^-1 dx / s`` for every matrix: its y and x components as
+        ``(2, V*n, 1)`` (rows' MLP first), and the encoding's leading shape ``(V, ...)``.
+        They depend on no parameter, so a layer computes them once per geometry."""
         acted = torch.einsum("vab,nb->vna", matrices, offsets.reshape(-1, 2)) / scale  # (V, n, 2)
-        x = acted[..., 0].reshape(-1, 1)  # (V*n, 1)
-        y = acted[..., 1].reshape(-1, 1)  # (V*n, 1)
-        enc = torch.cat([self.row(y), self.col(x)], dim=-1)  # (V*n, E)
-        return enc.reshape(matrices.shape[0], *shape, self.dim)  # (V, ..., E)
+        columns = torch.stack([acted[..., 1].reshape(-1, 1), acted[..., 0].reshape(-1, 1)])
+        return columns, (matrices.shape[0], *offsets.shape[:-1])
+
+    def encode(self, columns: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``(2, V*n, 1)`` inputs from :meth:`arguments` -> rho_xy ``(*shape, E)``."""
+        enc = torch.cat([self.row(columns[0]), self.col(columns[1])], dim=-1)  # (V*n, E)
+        return enc.reshape(*shape, self.dim)  # (V, ..., E)

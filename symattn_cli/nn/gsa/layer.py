@@ -154,6 +154,9 @@ class GroupSelfAttention(nn.Module):
         self.register_buffer("group_index_table", index, persistent=False)  # (V, G, M) or (G, M)
         self.group_embedding = nn.Parameter(torch.randn(rows, group_dim)) if group_dim > 0 else None
         self.attention_dropout = nn.Dropout(attention_dropout)
+        # neighbourhoods, offsets and the spatial MLPs' inputs per (sizes, dtype, device):
+        # they depend on no parameter (:meth:`_constant`)
+        self._constants: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------------ public
     def forward(self, x: torch.Tensor, crop: int = 0) -> torch.Tensor:
@@ -168,8 +171,13 @@ class GroupSelfAttention(nn.Module):
             raise ValueError(f"crop={crop} leaves nothing of a {height}x{width} map")
         if self.patch_size is not None:
             return self._attend_local(x, crop)
-        coords = grid_coordinates(height, width, dtype=x.dtype, device=x.device).reshape(-1, 2)
-        out = self._attend_points(x.reshape(b, -1, m, height * width), coords)
+        geometry = self._constant(
+            ("grid", height, width, x.dtype, x.device),
+            lambda: self._point_geometry(
+                grid_coordinates(height, width, dtype=x.dtype, device=x.device).reshape(-1, 2)
+            ),
+        )
+        out = self._attend_points(x.reshape(b, -1, m, height * width), geometry)
         out = out.reshape(b, -1, self.group.order, height, width)  # (B, C_out, N, H, W)
         return out[..., crop : height - crop, crop : width - crop]
 
@@ -184,7 +192,7 @@ class GroupSelfAttention(nn.Module):
             raise ValueError("forward_points needs a global layer (patch_size=None)")
         if self.lifting:
             x = x.unsqueeze(2)  # (B, C, 1, I)
-        return self._attend_points(x, coords.to(x.dtype))
+        return self._attend_points(x, self._point_geometry(coords.to(x.dtype)))
 
     @torch.no_grad()
     def attention_weights(self, x: torch.Tensor, pixel: tuple[int, int]) -> torch.Tensor:
@@ -216,7 +224,8 @@ class GroupSelfAttention(nn.Module):
             coords = grid_coordinates(height, width, dtype=x.dtype, device=x.device)  # (H, W, 2)
             offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
             longest = (coords[0, 0] - coords[-1, -1]).norm().clamp_min(1.0)  # corner to corner
-            rho_xy, rho_h = self._encodings(offsets, self.max_offset or float(longest))  # (V,J,E)
+            scale = self.max_offset or float(longest)
+            rho_xy, rho_h = self._encodings(self._arguments(offsets, scale))  # (V, J, E)
             neighbour, valid = torch.arange(height * width, device=x.device)[None], None
         else:  # the P x P neighbourhood, as _attend_local
             p, r = self.patch_size, self.patch_size // 2
@@ -225,7 +234,7 @@ class GroupSelfAttention(nn.Module):
             neighbour, valid = neighbourhoods(top, left, p, height, width)  # (1, J) each
             offsets = grid_coordinates(p, p, dtype=x.dtype, device=x.device)  # (P, P, 2)
             offsets = offsets.reshape(-1, 2)  # (J, 2)
-            rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))
+            rho_xy, rho_h = self._encodings(self._arguments(offsets, self.max_offset or max(r, 1)))
         weights = dense_weights(
             q, k, rho_h, rho_xy, None, neighbour, valid, form=self.query_form,
             n=self.group.order, rows=slice(0, 1),
@@ -245,13 +254,29 @@ class GroupSelfAttention(nn.Module):
             )
         return x
 
-    def _encodings(self, offsets: torch.Tensor, scale: float):
-        """rho_xy(v^-1 offsets) ``(V, ..., E)`` and rho_H at the group index: ``(G, M, E)``, or
-        ``(V, G, M, E)`` for an index that depends on v."""
+    def _constant(self, key: tuple, build):
+        """``build()``, computed once per ``key`` (sizes, dtype, device) and kept: the layer's
+        geometry, which depends on no parameter. Built outside inference mode, so that a
+        first call under ``torch.inference_mode`` leaves tensors that training can use."""
+        if key not in self._constants:
+            with torch.inference_mode(False), torch.no_grad():
+                self._constants[key] = build()
+        return self._constants[key]
+
+    def _arguments(self, offsets: torch.Tensor, scale: float):
+        """The spatial encoding's inputs at v^-1 offsets / scale for every v
+        (:meth:`RelativePositionEncoding.arguments`), or None without a spatial encoding."""
+        if self.position is None:
+            return None
+        inv = self.group.matrices(offsets.dtype, offsets.device)[self.group.inverse]  # (V, 2, 2)
+        return self.position.arguments(offsets, inv, scale)
+
+    def _encodings(self, arguments):
+        """rho_xy(v^-1 offsets) ``(V, ..., E)`` from :meth:`_arguments`, and rho_H at the
+        group index: ``(G, M, E)``, or ``(V, G, M, E)`` for an index that depends on v."""
         rho_xy = rho_h = None
-        if self.position is not None:
-            inv = self.group.matrices(offsets.dtype, offsets.device)[self.group.inverse]  # (V,2,2)
-            rho_xy = self.position(offsets, inv, scale)  # (V, ..., E)
+        if arguments is not None:
+            rho_xy = self.position.encode(*arguments)  # (V, ..., E)
         if self.group_embedding is not None:
             rho_h = self.group_embedding[self.group_index_table]  # (G, M, E) or (V, G, M, E)
         return rho_xy, rho_h
@@ -329,27 +354,40 @@ class GroupSelfAttention(nn.Module):
         out_h, out_w = height - 2 * crop, width - 2 * crop
         q = q.reshape(z, d, m, out_h * out_w).permute(0, 3, 2, 1)  # (Z, L, G, d)
 
-        dev = x.device
-        tops = torch.arange(out_h, device=dev).repeat_interleave(out_w) + (crop - r)  # (L,)
-        lefts = torch.arange(out_w, device=dev).repeat(out_h) + (crop - r)  # (L,)
-        neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
-        valid = inside if crop < r else None  # some neighbourhood reaches outside the map
+        def geometry():
+            dev = x.device
+            tops = torch.arange(out_h, device=dev).repeat_interleave(out_w) + (crop - r)  # (L,)
+            lefts = torch.arange(out_w, device=dev).repeat(out_h) + (crop - r)  # (L,)
+            neighbour, inside = neighbourhoods(tops, lefts, p, height, width)  # (L, J) each
+            valid = inside if crop < r else None  # some neighbourhood reaches outside the map
+            offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
+            return neighbour, valid, self._arguments(offsets, self.max_offset or max(r, 1))
 
-        offsets = grid_coordinates(p, p, dtype=x.dtype, device=dev).reshape(-1, 2)  # (J, 2)
-        rho_xy, rho_h = self._encodings(offsets, self.max_offset or max(r, 1))  # (V, J, E)
+        key = ("local", height, width, crop, x.dtype, x.device)
+        neighbour, valid, arguments = self._constant(key, geometry)
+        rho_xy, rho_h = self._encodings(arguments)  # (V, J, E)
         out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global
-    def _attend_points(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
-        """Global attention, ``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``."""
-        b, _, m, n_points = x.shape
-        q, k, v = (t.permute(0, 3, 2, 1) for t in self._qkv(x))  # (Z, I, M, d), views
+    def _point_geometry(self, coords: torch.Tensor):
+        """For points ``coords`` ``(I, 2)``: the spatial encoding's inputs at the distinct
+        offsets x_j - x_i (:func:`offset_table`), each pair's index into them ``(I, J)``, and
+        every point as every query's neighbour ``(I, J)``."""
+        n_points = coords.shape[0]
         offsets = coords[None, :, :] - coords[:, None, :]  # (I, J, 2): x_j - x_i
         scale = self.max_offset or float(offsets.norm(dim=-1).amax().clamp_min(1.0))
         distinct, index = offset_table(offsets)  # (D, 2), (I, J) into D
-        rho_xy, rho_h = self._encodings(distinct, scale)  # (V, D, E): once per distinct offset
-        everyone = torch.arange(n_points, device=x.device).expand(n_points, n_points)  # (I, J)
+        everyone = torch.arange(n_points, device=coords.device).expand(n_points, n_points)
+        return self._arguments(distinct, scale), index, everyone
+
+    def _attend_points(self, x: torch.Tensor, geometry) -> torch.Tensor:
+        """Global attention, ``x`` ``(B, C, M, I)`` -> ``(B, C_out, N, I)``, on the points of
+        ``geometry`` (:meth:`_point_geometry`)."""
+        b, _, m, n_points = x.shape
+        arguments, index, everyone = geometry
+        q, k, v = (t.permute(0, 3, 2, 1) for t in self._qkv(x))  # (Z, I, M, d), views
+        rho_xy, rho_h = self._encodings(arguments)  # (V, D, E): once per distinct offset
         out = self._attend(q, k, v, rho_xy, rho_h, index, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
 

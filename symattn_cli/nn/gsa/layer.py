@@ -45,7 +45,8 @@ kernel over torch's intra-op threads, on CUDA a fused Triton kernel; elsewhere (
 ``attention_backend="torch"``) a plain PyTorch version over chunks of queries
 (``chunk_elements`` numbers in the largest chunk tensor; 0 = :data:`AUTO_CHUNK` for the
 device). Global layers evaluate the spatial encoding once per distinct offset, not per
-(query, key) pair.
+(query, key) pair. A layer computes its geometry (neighbourhoods, masks, offsets, the spatial
+encoding's inputs) once per input size, dtype and device, and keeps it.
 """
 
 from __future__ import annotations

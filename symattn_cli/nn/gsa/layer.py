@@ -226,7 +226,7 @@ class GroupSelfAttention(nn.Module):
             offsets = (coords - coords[row, col]).reshape(-1, 2)  # (J, 2): x_j - x_i
             longest = (coords[0, 0] - coords[-1, -1]).norm().clamp_min(1.0)  # corner to corner
             scale = self.max_offset or float(longest)
-            rho_xy, rho_h = self._encodings(self._arguments(offsets, scale))  # (V, J, E)
+            rho_xy = self._spatial(self._arguments(offsets, scale))  # (V, J, E)
             neighbour, valid = torch.arange(height * width, device=x.device)[None], None
         else:  # the P x P neighbourhood, as _attend_local
             p, r = self.patch_size, self.patch_size // 2
@@ -235,9 +235,9 @@ class GroupSelfAttention(nn.Module):
             neighbour, valid = neighbourhoods(top, left, p, height, width)  # (1, J) each
             offsets = grid_coordinates(p, p, dtype=x.dtype, device=x.device)  # (P, P, 2)
             offsets = offsets.reshape(-1, 2)  # (J, 2)
-            rho_xy, rho_h = self._encodings(self._arguments(offsets, self.max_offset or max(r, 1)))
+            rho_xy = self._spatial(self._arguments(offsets, self.max_offset or max(r, 1)))
         weights = dense_weights(
-            q, k, rho_h, rho_xy, None, neighbour, valid, form=self.query_form,
+            q, k, self._group_encoding(), rho_xy, None, neighbour, valid, form=self.query_form,
             n=self.group.order, rows=slice(0, 1),
         )  # fmt: skip
         return weights.reshape(*weights.shape[:3], *side, m)  # (h, V, G, P, P, M)
@@ -272,15 +272,17 @@ class GroupSelfAttention(nn.Module):
         inv = self.group.matrices(offsets.dtype, offsets.device)[self.group.inverse]  # (V, 2, 2)
         return self.position.arguments(offsets, inv, scale)
 
-    def _encodings(self, arguments):
-        """rho_xy(v^-1 offsets) ``(V, ..., E)`` from :meth:`_arguments`, and rho_H at the
-        group index: ``(G, M, E)``, or ``(V, G, M, E)`` for an index that depends on v."""
-        rho_xy = rho_h = None
-        if arguments is not None:
-            rho_xy = self.position.encode(*arguments)  # (V, ..., E)
-        if self.group_embedding is not None:
-            rho_h = self.group_embedding[self.group_index_table]  # (G, M, E) or (V, G, M, E)
-        return rho_xy, rho_h
+    def _spatial(self, arguments):
+        """rho_xy(v^-1 offsets) ``(V, ..., E)`` from :meth:`_arguments`, or None."""
+        return None if arguments is None else self.position.encode(*arguments)
+
+    def _group_encoding(self):
+        """rho_H at the group index, ``(G, M, E)``, or ``(V, G, M, E)`` for an index that
+        depends on v; None without a group term. The core's kernels read the table and the
+        index instead (:func:`factorised_attention`)."""
+        if self.group_embedding is None:
+            return None
+        return self.group_embedding[self.group_index_table]
 
     def _qkv(self, x: torch.Tensor, crop: int = 0):
         """``x`` ``(B, C, M, ...)`` -> q (scaled by 1/sqrt(d)), k, v each ``(Z, d, M, ...)``,
@@ -303,7 +305,7 @@ class GroupSelfAttention(nn.Module):
         out = out.permute(0, 1, 4, 3, 2).reshape(b, -1, self.group.order, n_points)  # (B,hd,V,L)
         return self.w_out(out).reshape(b, -1, self.group.order, *spatial)
 
-    def _attend(self, q, k, v, rho_xy, rho_h, offsets, neighbour, valid) -> torch.Tensor:
+    def _attend(self, q, k, v, rho_xy, offsets, neighbour, valid) -> torch.Tensor:
         """q ``(Z, L, G, d)`` (scaled), k, v ``(Z, Lkv, M, d)``, neighbours ``(L, J)``, spatial
         encoding ``rho_xy`` ``(V, D, E)`` at ``offsets`` ``(L, J)`` (None: local) -> ``(Z, L,
         V, d)``.
@@ -314,24 +316,23 @@ class GroupSelfAttention(nn.Module):
         z, _, g, d = q.shape
         m, j, n = k.shape[2], neighbour.shape[1], self.group.order
         per_query = z * j * max(g * m, g * n, g * d, m * d)
-        if rho_h is not None and rho_h.dim() == 4 and self.query_form == "sum":
+        table, index = self.group_embedding, self.group_index_table
+        if table is not None and index.dim() == 3 and self.query_form == "sum":
             per_query *= n  # the group term, and with it pi, depends on v
         budget = self.chunk_elements or AUTO_CHUNK.get(q.device.type, AUTO_CHUNK["cuda"])
         drop = self.attention_dropout.p if self.training else 0.0
         if self.attention_backend == "dense":
             seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
             return dense_attention(
-                q, k, v, rho_h, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
-                drop=drop, seed=seed, chunk=max(1, budget // (per_query * n * g)),
+                q, k, v, self._group_encoding(), rho_xy, offsets, neighbour, valid,
+                form=self.query_form, n=n, drop=drop, seed=seed,
+                chunk=max(1, budget // (per_query * n * g)),
             )  # fmt: skip
         # the table and its index: the fused CPU kernel gathers the logits per query
-        table, index = (
-            (None, None) if rho_h is None else (self.group_embedding, self.group_index_table)
-        )
         return factorised_attention(
             q, k, v, table, rho_xy, offsets, neighbour, valid, form=self.query_form, n=n,
             drop=drop, chunk=max(1, budget // per_query), recompute=self.checkpointing,
-            backend=self.attention_backend, group_index=index,
+            backend=self.attention_backend, group_index=None if table is None else index,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ local (P x P)
@@ -366,8 +367,8 @@ class GroupSelfAttention(nn.Module):
 
         key = ("local", height, width, crop, x.dtype, x.device)
         neighbour, valid, arguments = self._constant(key, geometry)
-        rho_xy, rho_h = self._encodings(arguments)  # (V, J, E)
-        out = self._attend(q, k, v, rho_xy, rho_h, None, neighbour, valid)  # (Z, L, V, d)
+        rho_xy = self._spatial(arguments)  # (V, J, E)
+        out = self._attend(q, k, v, rho_xy, None, neighbour, valid)  # (Z, L, V, d)
         return self._output(out, b, (out_h, out_w))
 
     # ------------------------------------------------------------------ global
@@ -388,8 +389,8 @@ class GroupSelfAttention(nn.Module):
         b, _, m, n_points = x.shape
         arguments, index, everyone = geometry
         q, k, v = (t.permute(0, 3, 2, 1) for t in self._qkv(x))  # (Z, I, M, d), views
-        rho_xy, rho_h = self._encodings(arguments)  # (V, D, E): once per distinct offset
-        out = self._attend(q, k, v, rho_xy, rho_h, index, everyone, None)  # (Z, I, V, d)
+        rho_xy = self._spatial(arguments)  # (V, D, E): once per distinct offset
+        out = self._attend(q, k, v, rho_xy, index, everyone, None)  # (Z, I, V, d)
         return self._output(out, b, (n_points,))
 
 

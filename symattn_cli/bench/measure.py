@@ -364,7 +364,9 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
     without recomputation. A FLOP count depends on shapes only, so the floating-point
     tensors autograd saves for the backward are kept as their shapes and handed back as
     zeros (integer ones, such as gather indices, are kept): the count's peak memory is one
-    operation's, not the whole forward's, which a global layer would not fit.
+    operation's, not the whole forward's, which a global layer would not fit. A warm-up step
+    runs first, uncounted, as before a timing: a layer's one-time work (its kept geometry) is
+    not part of a step.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -380,6 +382,7 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
         shape, dtype, device = saved
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
+    step()  # warm-up, on the layers' own backends
     layers = [m for m in module.modules() if hasattr(m, "attention_backend")]
     saved = [(m.attention_backend, m.checkpointing) for m in layers]
     for m in layers:

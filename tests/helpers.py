@@ -24,17 +24,17 @@ TINY_TRAIN = [
 ]
 
 
-def values_and_gradients(module, x, seed: int = 1) -> list:
+def values_and_gradients(module, x, seed: int = 1, **kwargs) -> list:
     """``[output, *gradients]`` of a random weighted sum of ``module(x)``: the input's gradient
     (when ``x`` is floating point), then the parameters' that are not None. ``seed`` fixes the
     dropout masks, so that two calls compare the same computation. The weights are drawn on
     the host (their generator's device) and moved to the output's: the call may run under
-    another default device."""
+    another default device. ``kwargs`` go to the module's call."""
     import torch
 
     torch.manual_seed(seed)
     inputs = x.clone().requires_grad_() if x.is_floating_point() else x
-    out = module(inputs)
+    out = module(inputs, **kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     weights = torch.randn(out.shape, generator=gen, dtype=out.dtype, device="cpu").to(out.device)
     leaves = ([inputs] if inputs.requires_grad else []) + list(module.parameters())

@@ -131,13 +131,6 @@ def test_a_cropped_layer_is_the_full_layer_cropped(patch, crop):
     assert torch.allclose(a, b, rtol=0, atol=1e-12 * float(a.abs().max()))
 
 
-def _values_and_gradients(layer, x, crop):
-    x = x.clone().requires_grad_()
-    out = layer(x, crop=crop)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
-    return [out.detach(), *torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])]
-
-
 @pytest.mark.parametrize("patch", [3, None])
 def test_kept_geometry_gives_a_fresh_layers_values_at_every_size(patch):
     """The neighbourhoods, offsets and spatial-encoding inputs a layer keeps per size, dtype
@@ -156,7 +149,7 @@ def test_kept_geometry_gives_a_fresh_layers_values_at_every_size(patch):
         fresh = GroupSelfAttention(**kw).to(dtype)
         fresh.load_state_dict(layer.state_dict())
         x = torch.randn(2, 3, 4, height, width, dtype=dtype)
-        kept, new = (_values_and_gradients(m, x, crop) for m in (layer, fresh))
+        kept, new = (values_and_gradients(m, x, crop=crop) for m in (layer, fresh))
         assert kept[0].shape == (2, 4, 4, height - 2 * crop, width - 2 * crop)
         assert all(torch.equal(a, b) for a, b in zip(kept, new, strict=True))
     assert len(layer._constants) == (3 if patch is None else 4)  # per size, dtype (local: crop)

@@ -86,3 +86,60 @@ def test_each_checkout_and_cpu_builds_in_its_own_folder(monkeypatch, tmp_path):
     avx2 = gsa_cpp.build_directory()
     monkeypatch.setattr(gsa_cpp, "_cpu_flags", lambda: "flags: avx512f")
     assert gsa_cpp.build_directory() != avx2  # compiled for the host CPU: one per CPU
+
+
+def _kernel_inputs(z=2, d=4, g=4, m=4, points=10, r=4):
+    """Inputs in the kernel's own layouts: q (Z, d, G, L), k and v (Z, d, M, L), the group
+    embedding (R, c) and its index (1, G, M), every point its own single neighbour."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(z, d, n, points, generator=gen) for n in (g, m, m))
+    emb = torch.randn(r, 2, generator=gen)
+    index = torch.randint(0, r, (1, g, m), generator=gen)
+    neighbour = torch.arange(points).unsqueeze(1)
+    return q, k, v, emb, index, neighbour
+
+
+def test_a_group_index_outside_the_embedding_is_refused(kernel):
+    module = gsa_cpp.load()
+    q, k, v, emb, index, neighbour = _kernel_inputs()
+    args = (None, None, neighbour, None, False, 4, 0, 0)
+    assert torch.isfinite(module.forward(q, k, v, emb, index, *args)).all()
+    for bad in (emb.shape[0], -1):
+        wrong = index.clone()
+        wrong[0, 1, 2] = bad
+        with pytest.raises(RuntimeError, match=r"the group index must be in \[0, R\)"):
+            module.forward(q, k, v, emb, wrong, *args)
+
+
+def test_other_python_threads_run_while_the_kernel_computes(kernel):
+    """The kernel's calls release the interpreter lock: a thread of the caller's process (a
+    logger, a plotter) is not held up for the length of a forward or backward. Holding it, a
+    call would stop the thread for the call's whole length."""
+    import threading
+    import time
+
+    module = gsa_cpp.load()
+    q, k, v, emb, index, _ = _kernel_inputs(z=32, d=16, points=1024)
+    neighbour = torch.arange(1024).repeat(1024, 1)[:, :64].contiguous()  # 64 neighbours each
+    args = (emb, index, None, None, neighbour, None, False, 4, 0, 0)
+    go = torch.ones(32, 16, 4, 1024)
+    longest, stop = [0.0], threading.Event()
+
+    def count():  # the longest stretch between two of this thread's steps
+        last = time.perf_counter()
+        while not stop.is_set():
+            now = time.perf_counter()
+            longest[0], last = max(longest[0], now - last), now
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        module.backward(go, q, k, v, *args)
+        call = time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
+    assert call > 0.05, "the call is too short to tell"
+    assert longest[0] < call / 2, (longest[0], call)

@@ -49,6 +49,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -983,7 +984,8 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& e
                     (gidx->size(0) == 1 || gidx->size(0) == n) && gidx->size(1) == q.size(2) &&
                     gidx->size(2) == k.size(2),
                 "the group index must be contiguous int64 (1 or V, G, M)");
-    TORCH_CHECK(gidx->min().item<int64_t>() >= 0 && gidx->max().item<int64_t>() < emb->size(0),
+    const int64_t *first = gidx->data_ptr<int64_t>(), *last = first + gidx->numel();
+    TORCH_CHECK(std::all_of(first, last, [&](int64_t r) { return r >= 0 && r < emb->size(0); }),
                 "the group index must be in [0, R)");
     TORCH_CHECK(!(single && gidx->size(0) > 1), "the single form takes a group index (1, G, M)");
   }
@@ -1150,8 +1152,11 @@ int64_t parallel_threads() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "fused factorised attention, forward (see core.py)");
-  m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)");
+  // Neither touches a Python object: other Python threads run meanwhile.
+  const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("forward", &forward, "fused factorised attention, forward (see core.py)", free);
+  m.def("backward", &backward, "fused factorised attention, backward (recomputes per query)",
+        free);
   m.attr("rescales_dropout") = true;  // writes out times 1 / (1 - drop) itself
   m.attr("vector_bytes") = SYMATTN_VECTOR_BYTES;  // a tile: this many bytes of queries
   m.def("parallel_threads", &parallel_threads, "threads that at::parallel_for runs here");

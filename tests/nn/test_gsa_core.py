@@ -3,6 +3,8 @@ masks included), gradients, stability, threads, dropout, arguments."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -309,6 +311,29 @@ def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_
         for a, b, c in zip(serial, parallel, repeat, strict=True):
             assert torch.allclose(a, b, rtol=0, atol=1e-13 * b.abs().max())
             assert torch.equal(b, c)  # deterministic for a thread count
+
+
+@pytest.mark.parametrize("form", ["sum", "single"])
+def test_kernel_gradients_do_not_depend_on_reused_memory(form, kernel_at_each_width):
+    """The kernel's dk and dv start as uninitialised memory, zeroed batch-head by batch-head
+    by the thread that adds into it (or assigned from the threads' slabs where a batch-head is
+    shared). With the allocator handing back blocks just filled with NaN, one thread or three,
+    every gradient is still the oracle's: no row is left unwritten."""
+    threads = torch.get_num_threads()
+    inputs = _inputs(z=5, n_q=9, n_kv=40, by_v=form == "sum")
+    oracle = _run(_dense(0.0), inputs, form)
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for _ in range(3):
+                poison = [torch.full((5, 40, 3, 5), math.nan, dtype=torch.float64)
+                          for _ in range(8)]  # fmt: skip
+                del poison
+                ours = _run(factorised_attention, inputs, form, backend="cpp")
+                for a, b in zip(ours, oracle, strict=True):
+                    assert (a - b).abs().max() <= 1e-10 * b.abs().max(), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES[:5])

@@ -1067,7 +1067,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
   TORCH_CHECK(grad_out.is_contiguous() &&
                   grad_out.sizes() == at::IntArrayRef({q.size(0), q.size(1), n, q.size(3)}),
               "grad_out must be contiguous (Z, d, V, L)");
-  Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  // dk and dv are zeroed batch-head by batch-head below, each by the thread that adds into it
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  if (q.size(3) == 0) dk.zero_(), dv.zero_();  // no tile: nothing below writes them
   const int64_t threads = at::get_num_threads();
   Tensor demb_parts = emb ? at::zeros({threads, emb->size(0), emb->size(1)}, q.options())
                           : Tensor();
@@ -1108,6 +1110,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
             if (shared_z[2 * thread + side] != z) std::fill(own, own + 2 * slab, S(0));
             shared_z[2 * thread + side] = z;
             gr.dk = own, gr.dv = own + slab;
+          } else if (zt == z * tiles) {  // z's first tile: its rows, while they are in cache
+            std::fill(gr.dk, gr.dk + slab, S(0));
+            std::fill(gr.dv, gr.dv + slab, S(0));
           }
           tl.load(p, z, (zt % tiles) * T);
           load_go(p, tl, go);
@@ -1123,12 +1128,19 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& q, const Tens
         }
       });
     });
+    // a shared batch-head's rows: its first slab, then the others added in order
+    std::vector<char> started(p.Z, 0);
     for (int64_t a = 0; a < 2 * threads; ++a) {
       const int64_t z = shared_z[a];
       if (z < 0) continue;
       const S* own = shared.data_ptr<S>() + a * 2 * slab;
       S *dkz = dk.data_ptr<S>() + z * slab, *dvz = dv.data_ptr<S>() + z * slab;
-      for (int64_t x = 0; x < slab; ++x) dkz[x] += own[x], dvz[x] += own[slab + x];
+      if (started[z]) {
+        for (int64_t x = 0; x < slab; ++x) dkz[x] += own[x], dvz[x] += own[slab + x];
+      } else {
+        std::copy(own, own + slab, dkz), std::copy(own + slab, own + 2 * slab, dvz);
+      }
+      started[z] = 1;
     }
   });
   Tensor drho = rho ? drho_parts.sum(0) : Tensor();

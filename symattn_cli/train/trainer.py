@@ -28,6 +28,7 @@ from symattn_cli.data.base import IGNORE_INDEX, DataBundle
 from symattn_cli.errors import ConfigError, UserError
 from symattn_cli.nn.gsa.core import attention_backends
 from symattn_cli.train.distributed import World, sum_across
+from symattn_cli.train.flat import FlatParameters
 from symattn_cli.train.progress import Progress
 from symattn_cli.train.runfile import RunFile
 from symattn_cli.train.settings import TrainSettings
@@ -134,6 +135,8 @@ class Trainer:
         self.seed = seed
         self.device = resolve_device(settings.device)
         self.model = model.to(self.device)
+        # one flat tensor (and gradient) per dtype for the optimiser; before DDP sees them
+        self.flat = FlatParameters(p for p in self.model.parameters() if p.requires_grad)
         self.net = self.model  # what forward passes go through: DDP-wrapped under torchrun
         if self.world.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -163,11 +166,11 @@ class Trainer:
     # -- construction helpers ---------------------------------------------------------------
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        """The optimiser, with torch's fused implementation (one kernel per parameter and
-        step instead of a dozen operator calls) where the torch version and the device have
-        one, else the default one; the update is the same."""
+        """The optimiser over the flat parameters (:mod:`symattn_cli.train.flat`: one tensor
+        per dtype), with torch's fused implementation where the torch version and the device
+        have one, else the default one; the update is the same."""
         s = self.settings
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.flat.tensors
         if s.optimizer in ("adam", "adamw"):
             kind = torch.optim.Adam if s.optimizer == "adam" else torch.optim.AdamW
             make = functools.partial(kind, params, lr=s.lr, weight_decay=s.weight_decay)
@@ -232,7 +235,7 @@ class Trainer:
             "epoch": self.epoch,
             "step": self.step,
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.flat.per_parameter(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "best_metric": self.best_metric,
@@ -251,7 +254,7 @@ class Trainer:
         self.epoch = state["epoch"]
         self.step = state["step"]
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(self.flat.flat_state(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.best_metric = state["best_metric"]
@@ -301,8 +304,9 @@ class Trainer:
                     "trainer.grad_clip (e.g. 1.0) or turn off trainer.amp"
                 )
             with record_function("train.backward"):
-                self.optimizer.zero_grad(set_to_none=True)
+                self.flat.zero_grad()
                 self.scaler.scale(loss).backward()
+                self.flat.check()
             with record_function("train.optimizer"):
                 if self.settings.grad_clip > 0:
                     self.scaler.unscale_(self.optimizer)

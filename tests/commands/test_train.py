@@ -258,7 +258,8 @@ def test_profile_names_where_the_run_spends_its_time(workdir):
     assert sum(rows.values()) == pytest.approx(wall, rel=0.05)
     kernel = rows["attention kernel forward"] + rows["attention kernel backward"]
     assert kernel > 0 or not gsa_cpp.enabled()
-    assert rows["1x1 projections"] > 0 and rows["optimizer"] > 0
+    # (the optimiser's three steps over one flat tensor take less than the table's 0.01 s)
+    assert rows["1x1 projections"] > 0
 
 
 def test_addition_recipe_end_to_end_with_a_tiny_budget(workdir):

@@ -58,6 +58,21 @@ def test_optimisers_learn_a_separable_task(tmp_path, optimizer):
     assert len(read_metrics(tmp_path / "run.h5")["epoch"]) == 15
 
 
+def test_the_optimiser_updates_one_flat_tensor_and_saves_per_parameter(tmp_path):
+    """The trainer's optimiser holds one tensor (the model's parameters are views into it),
+    and the state in the run file lists the model's parameters one by one."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    trainer = make_trainer(tmp_path, model=model, epochs=2)
+    (group,) = trainer.optimizer.param_groups
+    assert len(group["params"]) == 1 and group["params"][0].numel() == 23
+    trainer.fit()
+    trainer.run_file.close()
+    saved = read_state(tmp_path / "run.h5")["optimizer"]
+    assert len(saved["state"]) == 4
+    for index, p in enumerate(model.parameters()):
+        assert tuple(saved["state"][index]["exp_avg"].shape) == tuple(p.shape)
+
+
 def test_warmup_cosine_schedule(tmp_path):
     trainer = make_trainer(tmp_path, schedule="cosine", warmup_epochs=1, epochs=4, lr=1.0)
     factor = trainer.scheduler.lr_lambdas[0]

@@ -4,7 +4,8 @@ Each parameter's values and gradient become views into one flat tensor and one f
 of its group. The optimiser then updates one tensor per group (one fused call, none of
 torch.optim's per-parameter bookkeeping), gradients are zeroed by one fill, and the backward
 adds each parameter's gradient into its view instead of handing over a new tensor. Adam, AdamW
-and SGD act element by element, so the updates are those of the separate parameters.
+and SGD act element by element, so the updates are those of the separate parameters (torch's
+fused Adam rounds some elements differently: its vector loop and its scalar tail differ).
 
 The optimiser's state is saved per parameter (:meth:`FlatParameters.per_parameter`, the layout
 torch gives the separate parameters) and read back from it (:meth:`FlatParameters.flat_state`),
@@ -33,7 +34,6 @@ class FlatParameters:
             groups.setdefault((p.device, p.dtype), []).append(index)
         self.members = list(groups.values())  # per flat tensor: indices into params
         self.tensors: list[nn.Parameter] = []
-        self._grads: list[torch.Tensor] = []  # the views, in params' order
         views: dict[int, torch.Tensor] = {}
         for members in self.members:
             flat = nn.Parameter(torch.cat([self.params[i].detach().reshape(-1) for i in members]))
@@ -46,7 +46,7 @@ class FlatParameters:
                 p.grad = views[i] = flat.grad[at : at + n].view_as(p)
                 at += n
             self.tensors.append(flat)
-        self._grads = [views[i] for i in range(len(self.params))]
+        self._grads = [views[i] for i in range(len(self.params))]  # in params' order
 
     def zero_grad(self) -> None:
         """Zeroes every gradient in place (one fill per flat tensor)."""
@@ -78,7 +78,7 @@ class FlatParameters:
                 p = self.params[i]
                 out[i] = {
                     key: _part(value, at, p)
-                    if key != "step" and _is_flat(value, self.tensors[f])
+                    if _per_element(key, value, self.tensors[f].numel())
                     else _copy(value)
                     for key, value in entry.items()
                 }
@@ -106,11 +106,7 @@ class FlatParameters:
             first = saved[members[0]]
             out[f] = {}
             for key, value in first.items():
-                if (
-                    key != "step"
-                    and torch.is_tensor(value)
-                    and value.shape == self.params[members[0]].shape
-                ):
+                if _per_element(key, value, self.params[members[0]].numel()):
                     parts = [saved[i][key].reshape(-1) for i in members]
                     out[f][key] = torch.cat(parts).to(self.tensors[f].device)
                 else:
@@ -118,8 +114,9 @@ class FlatParameters:
         return {"state": out, "param_groups": _groups(state, list(range(len(self.tensors))))}
 
 
-def _is_flat(value: Any, flat: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.numel()
+def _per_element(key: str, value: Any, numel: int) -> bool:
+    """A state entry with one number per element of its tensor (not Adam's step count)."""
+    return key != "step" and torch.is_tensor(value) and value.numel() == numel
 
 
 def _part(value: torch.Tensor, at: int, p: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,7 @@ def test_profile_names_where_the_run_spends_its_time(workdir):
     assert sum(rows.values()) == pytest.approx(wall, rel=0.05)
     kernel = rows["attention kernel forward"] + rows["attention kernel backward"]
     assert kernel > 0 or not gsa_cpp.enabled()
-    # (the optimiser's three steps over one flat tensor take less than the table's 0.01 s)
+    # (the optimiser's part, three updates of one flat tensor, can round to 0 in the table)
     assert rows["1x1 projections"] > 0
 
 

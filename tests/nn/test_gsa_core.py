@@ -314,6 +314,28 @@ def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
+def test_kernel_keeps_keys_only_where_the_tile_before_read_the_same(form, kernel_at_each_width):
+    """A tile keeps the keys and values it gathered for a neighbour when the tile before, of the
+    same batch-head, read the same points there (a global layer: every query sees every
+    point). Here neighbours 0-2 are the same points for every query, neighbour 3 moves with
+    the query, over 3 batch-heads of 5 tiles and more: one thread (a batch-head change between
+    two tiles) or three (ranges starting mid-head), the oracle's values and gradients."""
+    threads = torch.get_num_threads()
+    q, k, v, group_rho, rho, offsets, _, valid, n = _inputs(
+        z=3, n_q=37, n_kv=40, j=4, local=False, by_v=form == "sum"
+    )
+    nb = torch.tensor([5, 11, 2, 0]).repeat(37, 1)
+    nb[:, 3] = torch.arange(37)
+    inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            _assert_the_kernel_gives_the_oracles(inputs, form, torch.float64, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_gradients_do_not_depend_on_reused_memory(form, kernel_at_each_width):
     """The kernel's dk and dv start as uninitialised memory, zeroed batch-head by batch-head
     by the thread that adds into it (or assigned from the threads' slabs where a batch-head is

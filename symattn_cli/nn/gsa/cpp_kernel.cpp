@@ -313,6 +313,7 @@ struct Tile {
         for (int64_t t = 0; t < n; ++t) row[index[t]] += x[t];
     }
   }
+  bool gathered = false;  // whether kg and vg hold a tile's keys and values (of batch-head z)
   std::vector<Runs> keys;  // (J): neighbour j's points in the key axis
   std::vector<int64_t> key_index;  // (J, T)
   std::vector<Runs> entries;  // (J), with offsets: the table entries off(i, j) of the lanes
@@ -328,10 +329,14 @@ struct Tile {
   // Points [i0, i0 + T) of a (..., L)-laid row, lanes past n repeating the last.
   V row_at(const S* row) const { return n == T ? loadu<V>(row + i[0]) : lanes(row, i); }
 
-  // Gathers the queries [i0, i0 + T) of batch-head z (clipped to L) and their neighbours.
+  // Gathers the queries [i0, i0 + T) of batch-head z (clipped to L) and their neighbours. A
+  // neighbour whose lanes read the same keys as in the tile before, of the same batch-head (every
+  // neighbour of a global layer), keeps its gathered keys and values.
   void load(const Problem<S>& p, int64_t z_, int64_t i0) {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, Lkv = p.Lkv;
+    const bool same_head = gathered && z_ == z;
     z = z_;
+    gathered = true;
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
     for (int64_t g = 0; g < G; ++g)
@@ -344,13 +349,19 @@ struct Tile {
     }
     for (int64_t j = 0; j < J; ++j) {
       int64_t* index = key_index.data() + j * T;
-      for (int64_t t = 0; t < T; ++t) index[t] = p.nb[i[t] * J + j];
+      bool same = same_head;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t key = p.nb[i[t] * J + j];
+        same &= index[t] == key;
+        index[t] = key;
+      }
       keys[j] = runs(index, n);
       if (p.offsets) {
         int64_t* entry = entry_index.data() + j * T;
         for (int64_t t = 0; t < T; ++t) entry[t] = p.offsets[i[t] * J + j];
         entries[j] = runs(entry, n);
       }
+      if (same) continue;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = 0; c < d; ++c) {
           const int64_t at = p.row(z, m, c, M) * Lkv, mc = (j * M + m) * d + c;

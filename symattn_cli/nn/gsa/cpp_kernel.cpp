@@ -203,7 +203,8 @@ struct Tile {
   // for the current v: egl (M, G): exp(gl - max_m gl); the fallback's ev, evk (J, M, G):
   // exp(c0 + gl - max_m), its kept part, and mxv (J, G): its maxima; beta, a (J, G): beta
   // and beta / sm; acc (G);
-  // u (K, J, G): outer logits less lse; pv (V, J, M): P
+  // u (J, G): the current v's outer logits less lse (formed once when every v shares them,
+  // K = 1); pv (V, J, M): P
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
   // backward: go (V, d); dw (G, d): one neighbour's dW; dt (rows, J, G); dlse (J, G); dq
@@ -222,7 +223,7 @@ struct Tile {
                              p.R * p.c, G * p.R,
                              bv * JMG, bv && p.threshold ? JMG : 0, bv * JMG,
                              bv && p.threshold ? JMG : 0, bv * M * G,
-                             bv * J * G, bv * J * G, bv * G, bv * p.K * J * G, bv * p.V * J * M,
+                             bv * J * G, bv * J * G, bv * G, bv * J * G, bv * p.V * J * M,
                              b * p.V * d, b * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * M * d, b * M * d, b * (bv ? JMG : M * G),
                              b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
@@ -582,9 +583,11 @@ void outer_softmax(int64_t J, int64_t G, typename Tile<S>::V* b, const typename 
   }
 }
 
-// gl, pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and u, the
-// parts every v shares (group_row completes them per v). In the backward (go loaded), W is
-// not kept: each neighbour's W[j] gives dbeta[k, j, g] = go[k] . W[j, g] at once, into dt.
+// gl, pi, keep, mx, sm, W and beta of a loaded tile; by_v: c0, pi = exp(c0 - mx), keep and,
+// when every v has the same outer logits, u: the parts every v shares (group_row completes
+// them per v, forming its own u where the spatial term differs by v, while it is in cache). In
+// the backward (go loaded), W is not kept: each neighbour's W[j] gives dbeta[k, j, g] =
+// go[k] . W[j, g] at once, into dt.
 template <typename S, int64_t FG, int64_t FM>
 void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
   using V = typename Tile<S>::V;
@@ -650,8 +653,8 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
       contract<V>(tl.dt + j * G, J * G, 1, {tl.go, d, 1}, {wj, d, 1}, p.rows(), G, d, false);
     }
   }
-  if (p.by_v) {  // u[k] = s[k] (outside: -inf), to which each v adds its lse
-    for (int64_t k = 0; k < p.K; ++k) outer_logits(p, tl, k, tl.u + k * J * G, nullptr);
+  if (p.by_v) {  // u = s[0] (outside: -inf) when every v shares it; else group_row forms s[v]
+    if (p.K == 1) outer_logits(p, tl, 0, tl.u, nullptr);
     return;
   }
   // outer logits u (rows, J, G) = s + mx, then beta = softmax_j(u + log sm)
@@ -725,7 +728,8 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
     }
   }
   // beta = softmax_j(s[v] + shift + log sm)
-  const V* uv = tl.u + (p.K > 1 ? v : 0) * J * G;
+  if (p.K > 1) outer_logits(p, tl, v, tl.u, nullptr);
+  const V* uv = tl.u;
   for (int64_t jg = 0; jg < J * G; ++jg) tl.beta[jg] = uv[jg] + shift[jg];
   outer_softmax<S>(J, G, tl.beta, tl.sm, tl.a);
   // P[v, j, m] = sum_g beta pi keep = sum_g a E keep F

@@ -318,8 +318,9 @@ def test_kernel_keeps_keys_only_where_the_tile_before_read_the_same(form, kernel
     """A tile keeps the keys and values it gathered for a neighbour when the tile before, of the
     same batch-head, read the same points there (a global layer: every query sees every
     point). Here neighbours 0-2 are the same points for every query, neighbour 3 moves with
-    the query, over 3 batch-heads of 5 tiles and more: one thread (a batch-head change between
-    two tiles) or three (ranges starting mid-head), the oracle's values and gradients."""
+    the query, over 3 batch-heads of 37 queries (5 to 10 tiles by the vector width): one thread
+    (a batch-head change between two tiles) or three (ranges starting mid-head), the oracle's
+    values and gradients."""
     threads = torch.get_num_threads()
     q, k, v, group_rho, rho, offsets, _, valid, n = _inputs(
         z=3, n_q=37, n_kv=40, j=4, local=False, by_v=form == "sum"

@@ -3,6 +3,7 @@ masks included), gradients, stability, threads, dropout, arguments."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -292,22 +293,29 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel_at_each_width
         _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, upwards))
 
 
+@contextlib.contextmanager
+def _threads(count: int):
+    """torch's intra-op thread count set to ``count`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_width):
     """The kernel splits tiles of queries among torch's threads, in both passes; a batch-head
     whose tiles two threads share (2 batch-heads of 5 tiles of 8 doubles over 3 threads) gets
     its dk and dv summed after them. One thread or three, the same numbers (up to the order of
     the per-thread sums)."""
-    threads = torch.get_num_threads()
     for inputs in [_inputs(z=5, n_q=9, local=False), _inputs(z=2, n_q=40, n_kv=12)]:
-        try:
-            torch.set_num_threads(1)
+        with _threads(1):
             serial = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-            torch.set_num_threads(3)
+        with _threads(3):
             parallel = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
             repeat = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-        finally:
-            torch.set_num_threads(threads)
         for a, b, c in zip(serial, parallel, repeat, strict=True):
             assert torch.allclose(a, b, rtol=0, atol=1e-13 * b.abs().max())
             assert torch.equal(b, c)  # deterministic for a thread count
@@ -321,19 +329,15 @@ def test_kernel_keeps_keys_only_where_the_tile_before_read_the_same(form, kernel
     the query, over 3 batch-heads of 37 queries (5 to 10 tiles by the vector width): one thread
     (a batch-head change between two tiles) or three (ranges starting mid-head), the oracle's
     values and gradients."""
-    threads = torch.get_num_threads()
     q, k, v, group_rho, rho, offsets, _, valid, n = _inputs(
         z=3, n_q=37, n_kv=40, j=4, local=False, by_v=form == "sum"
     )
     nb = torch.tensor([5, 11, 2, 0]).repeat(37, 1)
     nb[:, 3] = torch.arange(37)
     inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
-    try:
-        for count in (1, 3):
-            torch.set_num_threads(count)
+    for count in (1, 3):
+        with _threads(count):
             _assert_the_kernel_gives_the_oracles(inputs, form, torch.float64, count)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("form", ["sum", "single"])
@@ -342,12 +346,10 @@ def test_kernel_gradients_do_not_depend_on_reused_memory(form, kernel_at_each_wi
     by the thread that adds into it (or assigned from the threads' slabs where a batch-head is
     shared). With the allocator handing back blocks just filled with NaN, one thread or three,
     every gradient is still the oracle's: no row is left unwritten."""
-    threads = torch.get_num_threads()
     inputs = _inputs(z=5, n_q=9, n_kv=40, by_v=form == "sum")
     oracle = _run(_dense(0.0), inputs, form)
-    try:
-        for count in (1, 3):
-            torch.set_num_threads(count)
+    for count in (1, 3):
+        with _threads(count):
             for _ in range(3):
                 poison = [torch.full((5, 40, 3, 5), math.nan, dtype=torch.float64)
                           for _ in range(8)]  # fmt: skip
@@ -355,8 +357,6 @@ def test_kernel_gradients_do_not_depend_on_reused_memory(form, kernel_at_each_wi
                 ours = _run(factorised_attention, inputs, form, backend="cpp")
                 for a, b in zip(ours, oracle, strict=True):
                     assert (a - b).abs().max() <= 1e-10 * b.abs().max(), count
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("form", "shape"), CASES[:5])

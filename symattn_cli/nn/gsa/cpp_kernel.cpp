@@ -190,7 +190,8 @@ template <typename S>
 struct Tile {
   using V = typename Lanes<S>::V;
   static constexpr int64_t T = sizeof(V) / sizeof(S);
-  int64_t z = 0, n = 0;  // batch-head, lanes holding a query (the rest repeat the last)
+  int64_t z = -1, n = 0;  // batch-head (-1 before the first load), lanes holding a query (the
+                         // rest repeat the last)
   int64_t i[T];          // query of each lane
   Tensor memory;         // 64-byte aligned; the arrays below point into it
   // q (G, d); kg, vg (J, M, d); gl (M, G); pi, keep (J, M, G); mx, sm (J, G); w (J, G, d)
@@ -314,7 +315,6 @@ struct Tile {
         for (int64_t t = 0; t < n; ++t) row[index[t]] += x[t];
     }
   }
-  bool gathered = false;  // whether kg and vg hold a tile's keys and values (of batch-head z)
   std::vector<Runs> keys;  // (J): neighbour j's points in the key axis
   std::vector<int64_t> key_index;  // (J, T)
   std::vector<Runs> entries;  // (J), with offsets: the table entries off(i, j) of the lanes
@@ -335,9 +335,8 @@ struct Tile {
   // neighbour of a global layer), keeps its gathered keys and values.
   void load(const Problem<S>& p, int64_t z_, int64_t i0) {
     const int64_t G = p.G, M = p.M, J = p.J, d = p.d, Lkv = p.Lkv;
-    const bool same_head = gathered && z_ == z;
+    const bool same_head = z_ == z;
     z = z_;
-    gathered = true;
     n = std::min<int64_t>(T, p.L - i0);
     for (int64_t t = 0; t < T; ++t) i[t] = i0 + std::min(t, n - 1);
     for (int64_t g = 0; g < G; ++g)

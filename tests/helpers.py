@@ -3,9 +3,11 @@ take a module's values and gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +24,20 @@ TINY_TRAIN = [
     "trainer.progress=plain",
     "logger.mode=disabled",
 ]
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside, restored after (also on
+    failure)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def values_and_gradients(module, x, seed: int = 1, **kwargs) -> list:

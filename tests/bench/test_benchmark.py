@@ -27,7 +27,7 @@ from symattn_cli.bench.suite import (
 from symattn_cli.errors import ConfigError
 from symattn_cli.nn.gsa import cpp as gsa_cpp
 from symattn_cli.train.runfile import read_summary, read_table
-from tests.helpers import read_wandb_file, run_symattn
+from tests.helpers import read_wandb_file, run_symattn, threads
 
 TINY = Case(kind="layer", name="gsa", group="r4", patch_size=3, image_size=6, batch=1)
 FAST = Settings(repeats=2, warmup=1, threads=1)
@@ -210,16 +210,12 @@ def test_in_process_cases_keep_the_thread_budget():
     and hands it back: the next in-process case starts from the same budget."""
     import torch
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with threads(2):
         settings = Settings(repeats=1, warmup=0, threads=0, modes=("train",), count_flops=False)
         first = measure_case(TINY, settings)
         assert torch.get_num_threads() == 2
         second = measure_case(TINY, settings)
         assert first["threads"] == second["threads"] == 2
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
@@ -236,17 +232,13 @@ def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
     def step():
         loss(module(x)).backward()
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with threads(1):
         serial = count_flops(step, module)
-        assert module.attention_backend == "auto"
-        torch.set_num_threads(2)
+    assert module.attention_backend == "auto"
+    with threads(2):
         assert count_flops(step, module) == serial > 0
         module.attention_backend = "torch"
         assert count_flops(step, module) == serial
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_flop_count_keeps_saved_tensors_as_shapes_and_counts_the_same():

@@ -10,6 +10,7 @@ from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.models.gsa_net import GSANet, build
 from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
+from tests.helpers import threads
 
 ROTMNIST = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist")
 REFERENCE_PARAMS = {
@@ -151,17 +152,14 @@ def test_default_preset_is_exactly_rotation_invariant_on_digits():
     torch.manual_seed(0)
     model = symattn_cli.create_model("gsa_mini").double()
     assert n_params(model) == 21_618 and model.group == symattn_cli.get_group("r4")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     x = torch.rand(3, 1, 28, 28, dtype=torch.float64)
     for training in (True, False):
         model.train(training)
-        with torch.no_grad():
+        with torch.no_grad(), threads(2):
             reference = model(x)
             for e in range(model.group.order):
                 turned = model(model.group.act_on_image(e, x))
                 assert (turned - reference).abs().max() <= 1e-10 * reference.abs().max()
-    torch.set_num_threads(threads)
 
 
 def test_full_rotmnist_model_runs_on_28x28():

@@ -3,7 +3,6 @@ masks included), gradients, stability, threads, dropout, arguments."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -13,6 +12,7 @@ import symattn_cli.nn.gsa.core as core
 from symattn_cli.nn.gsa.common import keep_mask
 from symattn_cli.nn.gsa.core import factorised_attention
 from symattn_cli.nn.gsa.dense import dense_attention
+from tests.helpers import threads
 
 
 def _inputs(*, z=2, n_q=5, n_kv=7, j=4, g=3, m=3, n=None, d=5, e=2, local=True, seed=0, by_v=False):
@@ -293,17 +293,6 @@ def test_kernel_reads_every_table_entry_layout(dtype, form, kernel_at_each_width
         _assert_the_kernel_gives_the_oracles(inputs, form, dtype, (width, upwards))
 
 
-@contextlib.contextmanager
-def _threads(count: int):
-    """torch's intra-op thread count set to ``count`` inside, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("form", ["sum", "single"])
 def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_width):
     """The kernel splits tiles of queries among torch's threads, in both passes; a batch-head
@@ -311,9 +300,9 @@ def test_kernel_threads_give_the_same_values_and_gradients(form, kernel_at_each_
     its dk and dv summed after them. One thread or three, the same numbers (up to the order of
     the per-thread sums)."""
     for inputs in [_inputs(z=5, n_q=9, local=False), _inputs(z=2, n_q=40, n_kv=12)]:
-        with _threads(1):
+        with threads(1):
             serial = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
-        with _threads(3):
+        with threads(3):
             parallel = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
             repeat = _run(factorised_attention, inputs, form, drop=0.2, backend="cpp")
         for a, b, c in zip(serial, parallel, repeat, strict=True):
@@ -336,7 +325,7 @@ def test_kernel_keeps_keys_only_where_the_tile_before_read_the_same(form, kernel
     nb[:, 3] = torch.arange(37)
     inputs = (q, k, v, group_rho, rho, offsets, nb, valid, n)
     for count in (1, 3):
-        with _threads(count):
+        with threads(count):
             _assert_the_kernel_gives_the_oracles(inputs, form, torch.float64, count)
 
 
@@ -349,7 +338,7 @@ def test_kernel_gradients_do_not_depend_on_reused_memory(form, kernel_at_each_wi
     inputs = _inputs(z=5, n_q=9, n_kv=40, by_v=form == "sum")
     oracle = _run(_dense(0.0), inputs, form)
     for count in (1, 3):
-        with _threads(count):
+        with threads(count):
             for _ in range(3):
                 poison = [torch.full((5, 40, 3, 5), math.nan, dtype=torch.float64)
                           for _ in range(8)]  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 from symattn_cli.nn.gsa import core as gsa_core
 from symattn_cli.nn.gsa import cpp as gsa_cpp
 from symattn_cli.nn.gsa.core import factorised_attention
+from tests.helpers import threads
 
 from .test_gsa_core import _inputs
 
@@ -26,13 +27,9 @@ def test_the_kernel_runs_on_every_intra_op_thread():
     module = gsa_cpp.load()
     if module is None:
         pytest.skip("the C++ kernel is not built here")
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with threads(count):
             assert module.parallel_threads() == count
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_tile_is_one_vector_register_of_the_host(kernel):

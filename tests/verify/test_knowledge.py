@@ -16,6 +16,7 @@ from symattn_cli.verify.knowledge import (
     haar_orthogonal,
     random_permutation,
 )
+from tests.helpers import threads
 
 TOL = TOLERANCES[torch.float64]
 
@@ -36,10 +37,8 @@ def test_haar_and_permutation_samples():
 @pytest.fixture
 def one_thread():
     """Train on one thread: tiny models run several times faster on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with threads(1):
+        yield
 
 
 def _train_tiny(bundle, steps: int = 500):

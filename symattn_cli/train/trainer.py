@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 import random
 import sys
@@ -33,6 +34,28 @@ from symattn_cli.train.progress import Progress
 from symattn_cli.train.runfile import RunFile
 from symattn_cli.train.settings import TrainSettings
 from symattn_cli.train.tracking import Tracker
+
+# Optimizer methods that torch wraps to keep torch.compile from tracing into them; each
+# wrapper imports torch._dynamo on its first call.
+_COMPILER_WRAPPED = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
+
+
+@functools.cache
+def eager(kind: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``kind`` (a torch optimiser class) with the methods the trainer calls run as written,
+    without torch's wrappers that keep torch.compile out of them: those import torch._dynamo
+    on the first call, as long again as importing torch, and the trainer compiles nothing.
+    ``step`` keeps what its wrapper does besides: gradients off unless the optimiser is
+    ``differentiable``. The same updates, state and state dicts as ``kind``; a torch without
+    the wrappers gives ``kind``'s own methods."""
+    raw_step = inspect.unwrap(kind.step)
+
+    def step(self, closure=None):
+        with torch.set_grad_enabled(self.defaults.get("differentiable", False)):
+            return raw_step(self, closure)
+
+    methods = {name: inspect.unwrap(getattr(kind, name)) for name in _COMPILER_WRAPPED}
+    return type(kind.__name__, (kind,), {**methods, "step": step, "__module__": __name__})
 
 
 class DivergedError(UserError):
@@ -172,11 +195,12 @@ class Trainer:
         s = self.settings
         params = self.flat.tensors
         if s.optimizer in ("adam", "adamw"):
-            kind = torch.optim.Adam if s.optimizer == "adam" else torch.optim.AdamW
+            kind = eager(torch.optim.Adam if s.optimizer == "adam" else torch.optim.AdamW)
             make = functools.partial(kind, params, lr=s.lr, weight_decay=s.weight_decay)
         else:
+            kind = eager(torch.optim.SGD)
             make = functools.partial(
-                torch.optim.SGD, params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
+                kind, params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay
             )
         try:
             return make(fused=True)

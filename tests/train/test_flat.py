@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from symattn_cli.train.flat import FlatParameters
+from symattn_cli.train.trainer import eager
 
 OPTIMISERS = {  # torch's loop implementations: the same arithmetic on any split of the tensors
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
@@ -137,3 +138,34 @@ def test_a_state_saved_for_another_model_is_refused():
     saved = flat_small.per_parameter(optimiser.state_dict())
     with pytest.raises(ValueError, match="holds 6 parameters, this model 8"):
         FlatParameters(large.parameters()).flat_state(saved)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMISERS))
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_trainers_unwrapped_optimiser_is_torchs(name, fused):
+    """The trainer's optimiser classes (torch's, their methods without the wrappers that keep
+    torch.compile out) give bit-identical parameters and state dicts to torch's own, fused
+    or not, and take each other's saved state. (A step that recorded gradients would fail:
+    it updates leaves that require them in place.)"""
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
+    options = {"lr": 1e-2, "fused": fused, **({"momentum": 0.9} if name == "sgd" else {})}
+    models = _model(), _model()
+    optimisers = [
+        k(list(m.parameters()), **options) for k, m in zip((kind, eager(kind)), models, strict=True)
+    ]
+    assert type(optimisers[1]).__name__ == kind.__name__ and isinstance(optimisers[1], kind)
+    for model, optimiser in zip(models, optimisers, strict=True):
+        _steps(model, optimiser, optimiser.zero_grad, 3)
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)
+    theirs, ours = (o.state_dict() for o in optimisers)
+    assert ours["param_groups"] == theirs["param_groups"]
+    for index, entry in theirs["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ours["state"][index][key]))
+    resumed = eager(kind)(list(models[1].parameters()), **options)
+    resumed.load_state_dict(copy.deepcopy(theirs))
+    _steps(models[0], optimisers[0], optimisers[0].zero_grad, 1, seed=2)
+    _steps(models[1], resumed, resumed.zero_grad, 1, seed=2)
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)

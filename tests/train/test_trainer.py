@@ -191,3 +191,37 @@ def test_seeding_turns_on_deterministic_algorithms_without_loading_the_compiler(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_training_and_resuming_do_not_load_the_compiler():
+    """torch wraps an optimiser's step, state_dict, load_state_dict, zero_grad and
+    add_param_group so that torch.compile stays out of them, and each wrapper imports
+    torch._dynamo on its first call: seconds of every run's start. The trainer's optimiser
+    runs them unwrapped: two epochs with each optimiser, and a resume from the saved state,
+    leave it unloaded."""
+    code = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from symattn_cli.data.base import DataBundle, DataSpec\n"
+        "from symattn_cli.train.runfile import NullRunFile\n"
+        "from symattn_cli.train.settings import TrainSettings\n"
+        "from symattn_cli.train.tracking import Tracker\n"
+        "from symattn_cli.train.trainer import Trainer\n"
+        "x = torch.randn(32, 4)\n"
+        "split = TensorDataset(x, (x[:, 0] > 0).long())\n"
+        "data = DataBundle(train=split, val=split, test=split,\n"
+        "                  spec=DataSpec(task='classify', num_classes=2))\n"
+        "for name in ('adam', 'adamw', 'sgd'):\n"
+        "    options = TrainSettings(batch_size=16, progress='none', device='cpu', epochs=2,\n"
+        "                            optimizer=name)\n"
+        "    def trainer():\n"
+        "        return Trainer(nn.Linear(4, 2), data, options, run_file=NullRunFile(),\n"
+        "                       tracker=Tracker(None), seed=0)\n"
+        "    first = trainer()\n"
+        "    first.fit()\n"
+        "    trainer().load_state(first.state())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -44,7 +44,7 @@ _COMPILER_WRAPPED = ("add_param_group", "state_dict", "load_state_dict", "zero_g
 def eager(kind: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     """``kind`` (a torch optimiser class) with the methods the trainer calls run as written,
     without torch's wrappers that keep torch.compile out of them: those import torch._dynamo
-    on the first call, as long again as importing torch, and the trainer compiles nothing.
+    (the compiler, a large import) on the first call, and the trainer compiles nothing.
     ``step`` keeps what its wrapper does besides: gradients off unless the optimiser is
     ``differentiable``. The same updates, state and state dicts as ``kind``; a torch without
     the wrappers gives ``kind``'s own methods."""

@@ -189,7 +189,7 @@ def test_seeding_turns_on_deterministic_algorithms_without_loading_the_compiler(
     """The eager flag is what a run needs; torch's own switch also imports its compiler,
     seconds of every run's start."""
     code = (
-        "import sys, torch\n"
+        "import torch\n"
         "from symattn_cli.train.trainer import seed_everything\n"
         "seed_everything(3)\n"
         "assert torch.are_deterministic_algorithms_enabled()\n"
@@ -205,7 +205,7 @@ def test_training_and_resuming_do_not_load_the_compiler():
     runs them unwrapped: two epochs with each optimiser, and a resume from the saved state,
     leave it unloaded."""
     code = (
-        "import sys, torch\n"
+        "import torch\n"
         "from torch import nn\n"
         "from torch.utils.data import TensorDataset\n"
         "from symattn_cli.data.base import DataBundle, DataSpec\n"

@@ -176,7 +176,6 @@ struct Problem {
   // The (..., L)-laid row of batch-head z, element g and channel c of a (Z, d, n, L) tensor
   // (q and dq: n = G; k, v and their gradients: n = M); a tile holds it at g d + c.
   int64_t row(int64_t z, int64_t g, int64_t c, int64_t n) const { return (z * d + c) * n + g; }
-  bool inside(int64_t i, int64_t j) const { return !valid || valid[i * J + j]; }
   int64_t rows() const { return by_v ? V : single ? 1 : K; }  // outer softmaxes per tile
   // Whether the spatial term is one table for every query and every g (local, sum form).
   bool spatial_table() const { return e && !offsets && !single; }
@@ -207,6 +206,8 @@ struct Tile {
   // u (J, G): the current v's outer logits less lse (formed once when every v shares them,
   // K = 1); pv (V, J, M): P
   V *c0, *e0k, *ev, *evk, *egl, *mxv, *a, *acc, *u, *pv;
+  // outside (J): 0 on the lanes whose neighbour j is inside, -inf on the others
+  V* outside;
   const V *e = nullptr, *ek = nullptr;  // by_v: the current v's E and E keep (group_row)
   // backward: go (V, d); dw (G, d): one neighbour's dW; dt (rows, J, G); dlse (J, G); dq
   // (G, d); dkg, dvg (M, d): one neighbour's dk and dv rows; dc (J, M, G) by_v, else one
@@ -228,10 +229,11 @@ struct Tile {
                              b * p.V * d, b * G * d, b * p.rows() * J * G, b * J * G,
                              b * G * d, b * M * d, b * M * d, b * (bv ? JMG : M * G),
                              b * gl_rows * M * G, b * bv * p.V * J * M, b * G * p.R,
-                             b * p.R * p.c};
+                             b * p.R * p.c, J};
     V** arrays[] = {&q, &kg, &vg, &gl, &pi, &keep, &mx, &sm, &w, &beta, &r, &pk, &rho_local,
                     &emb_lanes, &tq, &c0, &e0k, &ev, &evk, &egl, &mxv, &a, &acc, &u, &pv,
-                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv, &dtq, &demb};
+                    &go, &dw, &dt, &dlse, &dq, &dkg, &dvg, &dc, &dgl, &dpv, &dtq, &demb,
+                    &outside};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     memory = at::empty({total * T}, at::TensorOptions().dtype(c10::CppTypeToScalarType<S>::value));
@@ -356,6 +358,11 @@ struct Tile {
         index[t] = key;
       }
       keys[j] = runs(index, n);
+      V out{};
+      if (p.valid)
+        for (int64_t t = 0; t < T; ++t)
+          out[t] = p.valid[i[t] * J + j] ? S(0) : -std::numeric_limits<S>::infinity();
+      outside[j] = out;
       if (p.offsets) {
         int64_t* entry = entry_index.data() + j * T;
         for (int64_t t = 0; t < T; ++t) entry[t] = p.offsets[i[t] * J + j];
@@ -534,14 +541,11 @@ template <typename S>
 void outer_logits(const Problem<S>& p, Tile<S>& tl, int64_t k, typename Tile<S>::V* u,
                   const typename Tile<S>::V* base) {
   using V = typename Tile<S>::V;
-  constexpr int64_t T = Tile<S>::T;
   const int64_t G = p.G, J = p.J, d = p.d, e = p.e;
-  const S inf = std::numeric_limits<S>::infinity();
   if (p.spatial_table())  // u[j, g] = rho[k, j] . q[g, :e], then base and outside added
     contract<V>(u, G, 1, {tl.rho_local + k * J * e, e, 1}, {tl.q, d, 1}, J, G, e, false);
   for (int64_t j = 0; j < J; ++j) {
-    V outside{};
-    for (int64_t t = 0; t < T; ++t) outside[t] = p.inside(tl.i[t], j) ? S(0) : -inf;
+    const V outside = tl.outside[j];
     if (p.spatial_table()) {
       for (int64_t g = 0; g < G; ++g) u[j * G + g] += (base ? base[j * G + g] : V{}) + outside;
       continue;
@@ -611,7 +615,13 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
       if (p.emb) std::copy(tl.gl, tl.gl + M * G, pj);
       contract<V>(pj, G, 1, {kj, d, 1}, {tl.q, d, 1}, M, G, d, p.emb);
     }
-    for (int64_t g = 0; g < G; ++g) {  // softmax over m (by_v: its numerators only)
+    if (M == 1) {  // one key element (a lifting layer): pi = 1, mx = c, sm = 1
+      for (int64_t g = 0; g < G; ++g) {
+        tl.mx[j * G + g] = pj[g];
+        tl.sm[j * G + g] = pj[g] = V{} + 1;
+      }
+    }
+    for (int64_t g = 0; g < G && M > 1; ++g) {  // softmax over m (by_v: its numerators only)
       V top = pj[g];
       for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
       V sum{};
@@ -1027,11 +1037,13 @@ Tensor transposed_table(const OptTensor& rho, const OptTensor& offsets) {
 }
 
 // f(FG, FM): the sizes G and M of the group axes as compile-time constants where they are
-// those of the rotMNIST nets' group layers (R4: 4; R8 and R4 with mirrors: 8), so that the
-// per-tile loops over them unroll; else 0: the tile functions read G and M from the problem.
+// those of a lifting layer (1) or of the rotMNIST nets' group layers (R4: 4; R8 and R4 with
+// mirrors: 8), so that the per-tile loops over them unroll; else 0: the tile functions read G
+// and M from the problem.
 template <typename F>
 void with_sizes(int64_t G, int64_t M, F&& f) {
   using std::integral_constant;
+  if (G == 1 && M == 1) return f(integral_constant<int64_t, 1>{}, integral_constant<int64_t, 1>{});
   if (G == 4 && M == 4) return f(integral_constant<int64_t, 4>{}, integral_constant<int64_t, 4>{});
   if (G == 8 && M == 8) return f(integral_constant<int64_t, 8>{}, integral_constant<int64_t, 8>{});
   f(integral_constant<int64_t, 0>{}, integral_constant<int64_t, 0>{});

@@ -620,17 +620,19 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
         tl.mx[j * G + g] = pj[g];
         tl.sm[j * G + g] = pj[g] = V{} + 1;
       }
-    }
-    for (int64_t g = 0; g < G && M > 1; ++g) {  // softmax over m (by_v: its numerators only)
-      V top = pj[g];
-      for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
-      V sum{};
-      for (int64_t m = 0; m < M; ++m) sum += pj[m * G + g] = exp_shifted<S>(pj[m * G + g] - top);
-      tl.mx[j * G + g] = top;
-      tl.sm[j * G + g] = sum;
-      if (p.by_v) continue;
-      const V inv = 1 / sum;
-      for (int64_t m = 0; m < M; ++m) pj[m * G + g] *= inv;
+    } else {
+      for (int64_t g = 0; g < G; ++g) {  // softmax over m (by_v: its numerators only)
+        V top = pj[g];
+        for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
+        V sum{};
+        for (int64_t m = 0; m < M; ++m)
+          sum += pj[m * G + g] = exp_shifted<S>(pj[m * G + g] - top);
+        tl.mx[j * G + g] = top;
+        tl.sm[j * G + g] = sum;
+        if (p.by_v) continue;
+        const V inv = 1 / sum;
+        for (int64_t m = 0; m < M; ++m) pj[m * G + g] *= inv;
+      }
     }
     V* kp = p.threshold ? tl.keep + j * M * G : nullptr;
     if (kp) {  // the mask at flat index (((z L + i) J + j) M + m) G + g, all lanes at once

@@ -163,3 +163,19 @@ def static_table(rows: Sequence[dict[str, Any]], title: str):
             style="bold" if total else None,
         )  # fmt: skip
     return table
+
+
+def static_lines_table(rows: Sequence[dict[str, Any]], title: str):
+    """The source lines of each kernel with the most warp instructions
+    (:func:`symattn_cli.bench.static.top_lines`)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("kernel", "line", "source", "share %", "issue ms"):
+        table.add_column(name, justify="right" if name in ("line", "share %", "issue ms")
+                         else "left", no_wrap=name != "source")  # fmt: skip
+    for row in rows:
+        table.add_row(row["kernel"], f"{row['file']}:{row['line']}" if row["line"] else "",
+                      row["text"], number(100 * row["share"], ".1f"),
+                      number(row["issue_ms"], ".3f"))  # fmt: skip
+    return table

@@ -46,7 +46,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -385,26 +385,40 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 class Instruction:
     address: int
     opcode: str
-    line: tuple[str, int] | None  # source file and line
+    line: tuple[str, int] | None  # source file and line (the innermost of an inlined call)
     target: str | None  # branch target label
+    # the source lines of the calls it was inlined through, innermost first
+    chain: tuple[tuple[str, int], ...] = ()
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_WHERE = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
 
 
 def sass(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
-    """The machine code with each instruction's source line, and the labels' addresses."""
+    """The machine code with each instruction's source lines, and the labels' addresses."""
     with _cubin_file(cubin) as path:
-        text = subprocess.run([tool("nvdisasm"), "-g", "-c", path], capture_output=True,
+        text = subprocess.run([tool("nvdisasm"), "-gi", "-c", path], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
+    return parse_sass(text)
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """:func:`sass` from ``nvdisasm -gi -c`` output: before each run of instructions a group
+    of ``//## File "f", line n [inlined at "f2", line n2]`` comments, innermost call first."""
     code: list[Instruction] = []
     labels: dict[str, int] = {}
     pending: list[str] = []
-    line = None
+    chain: list[tuple[str, int]] = []
+    grouping = False
     for raw in text.splitlines():
-        where = re.search(r'//## File "([^"]+)", line (\d+)', raw)
+        where = _WHERE.search(raw)
         if where:
-            line = (where.group(1), int(where.group(2)))
+            if not grouping:
+                chain, grouping = [], True
+            for file, number in (where.group(1, 2), where.group(3, 4)):
+                if file is not None and (file, int(number)) not in chain:
+                    chain.append((file, int(number)))
             continue
         label = re.match(r"^(\.L_x_\d+):", raw.strip())
         if label:
@@ -413,12 +427,14 @@ def sass(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
         found = _INSTRUCTION.search(raw)
         if not found:
             continue
+        grouping = False
         address = int(found.group(1), 16)
         for name in pending:
             labels[name] = address
         pending = []
         target = re.search(r"`\((\.L_x_\d+)\)", found.group(3))
-        code.append(Instruction(address, found.group(2), line, target and target.group(1)))
+        code.append(Instruction(address, found.group(2), chain[0] if chain else None,
+                                target and target.group(1), tuple(chain)))  # fmt: skip
     return code, labels
 
 
@@ -497,6 +513,15 @@ def loops(code: list[Instruction], labels: dict[str, int], names: dict[str, Any]
     return found
 
 
+def _weight(ins: Instruction, found: list[Loop]) -> float:
+    """How often ``ins`` runs: the product of the trip counts of the loops around it."""
+    weight = 1.0
+    for loop in found:
+        if loop.start <= ins.address <= loop.end:
+            weight *= loop.trips
+    return weight
+
+
 def weighted_counts(code: list[Instruction], found: list[Loop]) -> dict[str, float]:
     """Instructions per warp, each weighted by the trip counts of the loops around it, in
     total and by kind."""
@@ -507,14 +532,23 @@ def weighted_counts(code: list[Instruction], found: list[Loop]) -> dict[str, flo
     }  # fmt: skip
     counts = dict.fromkeys(["instructions", *kinds], 0.0)
     for ins in code:
-        weight = 1.0
-        for loop in found:
-            if loop.start <= ins.address <= loop.end:
-                weight *= loop.trips
+        weight = _weight(ins, found)
         counts["instructions"] += weight
         for kind, prefixes in kinds.items():
             if ins.opcode.startswith(prefixes):
                 counts[kind] += weight
+    return counts
+
+
+def counts_by_line(code: list[Instruction], found: list[Loop], source: str) -> dict[int, float]:
+    """Instructions per warp by line of the kernel's file ``source``, weighted as in
+    :func:`weighted_counts`. An instruction counts at the innermost line of ``source`` that
+    it was inlined through: a helper's line (summed over its callers), or the line that calls
+    a function of Triton's library (``tl.sum``, ``tl.max``). Line 0: none of ``source``."""
+    counts: dict[int, float] = {}
+    for ins in code:
+        line = next((n for file, n in ins.chain if file == source), 0)
+        counts[line] = counts.get(line, 0.0) + _weight(ins, found)
     return counts
 
 
@@ -621,9 +655,12 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
     # a program that takes tiles in turn (``range(pid, TILES, programs)``): the first's count
     names |= {"pid": 0, "programs": math.prod(launch.grid)}
     code, labels = sass(cubin)
-    found = loops(code, labels, names, inspect.getsourcefile(launch.fn.fn))
+    source = inspect.getsourcefile(launch.fn.fn)
+    found = loops(code, labels, names, source)
     counts = weighted_counts(code, found)
     programs = math.prod(launch.grid)
+    by_line = {line: n * warps * programs for line, n in
+               counts_by_line(code, found, source).items()}  # fmt: skip
     waves = programs / (gpu.sms * max(blocks, 1))
     warp_instructions = counts["instructions"] * warps * programs
     issue_s = warp_instructions / (gpu.sms * gpu.schedulers * gpu.clock_ghz * 1e9)
@@ -648,7 +685,8 @@ def analyse(launch: Launch, arch: int) -> dict[str, Any]:
         mma_per_program=counts["mma"] * warps, warp_instructions=warp_instructions,
         flops=launch.flops, bytes=launch.bytes, flop_unit=unit, issue_ms=issue_s * 1e3,
         flop_ms=flop_s * 1e3, dram_ms=dram_s * 1e3,
-        issue_over_bound=issue_s / max(flop_s, dram_s),
+        issue_over_bound=issue_s / max(flop_s, dram_s), source=source,
+        warp_instructions_by_line=by_line,
     )  # fmt: skip
 
 
@@ -683,19 +721,29 @@ def measure(launch: Launch, device: str) -> dict[str, float]:
     return {"measured_ms": float(ms)}
 
 
+Rows = list[dict[str, Any]]
+
+
 def report(case, arch: int = 90, backend: str = "triton", device: str | None = None,
-           launcher: ModuleType | None = None) -> list[dict[str, Any]]:  # fmt: skip
+           launcher: ModuleType | None = None, lines: int = 0,
+           max_registers: int = 0) -> tuple[Rows, Rows]:  # fmt: skip
     """The report's rows for every attention launch of ``case`` (forward and backward of each
     layer) by ``backend``'s kernels (those of ``launcher``, :func:`baseline_launchers`, if
     given), then a total row per kernel and fwd+bwd (times summed; occupancy the lowest).
     With a CUDA ``device`` each launch is also run there and timed (:func:`measure`):
     ``measured_ms``, and its ratios to the issue bound and to the larger of the FLOP and DRAM
-    bounds."""
+    bounds. Second, the ``lines`` source lines of each kernel with the most warp instructions
+    over all its launches (:func:`top_lines`; none for 0). ``max_registers`` > 0 compiles
+    every launch with at most that many registers a thread (Triton's ``maxnreg``; what does
+    not fit spills to local memory)."""
     gpu_for(arch)
+    capped = {"maxnreg": max_registers} if max_registers else {}
     with _fresh_cache():
         rows = [analyse(launch, arch) | ({} if device is None else measure(launch, device))
                 for call in attention_calls(case)
-                for launch in launches(call, backend, gpu_for(arch).sms, launcher)]  # fmt: skip
+                for launch in (replace(one, meta=one.meta | capped) for one in
+                               launches(call, backend, gpu_for(arch).sms, launcher))]  # fmt: skip
+    by_line = [(r["kernel"], r.pop("source"), r.pop("warp_instructions_by_line")) for r in rows]
     totals = []
     for kernel in ("forward", "backward", "fwd+bwd"):
         part = [r for r in rows if kernel in ("fwd+bwd", r["kernel"])]
@@ -719,7 +767,31 @@ def report(case, arch: int = 90, backend: str = "triton", device: str | None = N
         if "measured_ms" in row:
             row["measured_over_issue"] = row["measured_ms"] / row["issue_ms"]
             row["measured_over_bound"] = row["measured_ms"] / max(row["flop_ms"], row["dram_ms"])
-    return rows + totals
+    return rows + totals, top_lines(by_line, gpu_for(arch), lines)
+
+
+def top_lines(by_line: list[tuple[str, str, dict[int, float]]], gpu: GPU,
+              count: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Per kernel (forward, backward), the ``count`` lines of its source with the most warp
+    instructions summed over its launches (``by_line``: (kernel, source file, warp
+    instructions by line) per launch), most first: the line, its text, its share of the
+    kernel's instructions and its part of the issue bound."""
+    out: list[dict[str, Any]] = []
+    for kernel in ("forward", "backward"):
+        summed: dict[tuple[str, int], float] = {}
+        for which, source, counts in by_line:
+            if which == kernel:
+                for line, n in counts.items():
+                    summed[source, line] = summed.get((source, line), 0.0) + n
+        everything = sum(summed.values())
+        rate = gpu.sms * gpu.schedulers * gpu.clock_ghz * 1e6  # warp instructions a ms
+        ranked = sorted(summed.items(), key=lambda item: -item[1])[:count]
+        for (source, line), n in ranked:
+            text = linecache.getline(source, line).strip() if line else "(no line of the kernel)"
+            out.append(dict(kernel=kernel, file=Path(source).name, line=line, text=text,
+                            warp_instructions=n, share=n / everything,
+                            issue_ms=n / rate))  # fmt: skip
+    return out
 
 
 def assumptions(arch: int) -> str:

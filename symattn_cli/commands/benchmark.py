@@ -366,7 +366,7 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     baseline = {}
     if cfg.kernel_baseline:
         baseline = static.baseline_launchers(cfg.kernel_baseline, run_dir())
-    rows, summary, totals = [], {}, {}
+    rows, line_rows, summary, totals = [], [], {}, {}
     for index, case in enumerate(cases):
         for which, backend in enumerate(backends):
             versions = {backend: None}
@@ -375,11 +375,17 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
             version_totals = {}
             for version, launcher in versions.items():
                 label = f"{case.name} {case.query_form} {case.group_index} b{case.batch} {version}"
+                found, lines = static.report(case, cfg.arch, backend, device, launcher,
+                                             cfg.lines, cfg.max_registers)  # fmt: skip
                 case_rows = [{"case": label, "attention_backend": version, **row}
-                             for row in static.report(case, cfg.arch, backend, device,
-                                                      launcher)]  # fmt: skip
+                             for row in found]  # fmt: skip
                 rows += case_rows
                 console.print(report.static_table(case_rows, f"{label}, sm_{cfg.arch}"))
+                if lines:
+                    line_rows += [{"case": label, "attention_backend": version, **row}
+                                  for row in lines]  # fmt: skip
+                    title = f"{label}: the source lines with the most instructions"
+                    console.print(report.static_lines_table(lines, title))
                 unknown = [f"{r['layer']} {r['kernel']}" for r in case_rows if r["unknown_loops"]]
                 if unknown:  # counted as if run once: those instruction counts are too low
                     console.print("loops of unknown trip count, counted once: "
@@ -417,8 +423,9 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
                 console.print(f"issue bound, {first} over {backend}: {ratios}")
     summary.update(cases=float(len(cases)), arch=float(cfg.arch),
                    seconds=time.perf_counter() - started)  # fmt: skip
+    tables = {"static": rows} | ({"static_lines": line_rows} if line_rows else {})
     path = write_results_file(directory / RUN_FILE, command="benchmark", config_yaml=to_yaml(cfg),
-                              env=environment(device or "cpu"), tables={"static": rows},
+                              env=environment(device or "cpu"), tables=tables,
                               summary=summary)  # fmt: skip
     console.print(f"finished in {summary['seconds']:.1f} s; run file: {path}")
     return summary

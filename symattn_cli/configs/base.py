@@ -86,6 +86,11 @@ class BenchmarkConfig:
     attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True
     arch: int = 90  # preset=gpu-static: the compute capability compiled for (90: H100, 80: A100)
+    # preset=gpu-static: print and keep the N source lines of each kernel with the most
+    # instructions (0: none), and compile with at most this many registers a thread (0: the
+    # compiler's choice; what does not fit spills)
+    lines: int = 0
+    max_registers: int = 0
     omp_wait_policy: str = ""  # OpenMP idle threads: "" (the library's default) | passive | active
     # a checkout of github.com/dwromero/g_selfatt: its rotMNIST nets measured beside ours
     # ("": the ratios use the published figures)

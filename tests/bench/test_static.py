@@ -82,6 +82,57 @@ def test_a_loop_named_in_another_file_is_read_in_the_kernels_source(tmp_path: Pa
     assert not blind.known and blind.trips == 1
 
 
+SASS = """
+        .text.kernel:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+	//## File "/lib/standard.py", line 293 inlined at "/src/kernel.py", line 7
+	//## File "/lib/standard.py", line 263 inlined at "/lib/standard.py", line 293
+	//## File "/lib/standard.py", line 293 inlined at "/src/kernel.py", line 7
+        /*0010*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0020*/                   FADD R2, R2, R3 ;
+	//## File "/src/kernel.py", line 3 inlined at "/src/kernel.py", line 9
+	//## File "/src/kernel.py", line 9
+.L_x_0:
+        /*0030*/                   FFMA R4, R4, R5, R6 ;
+	//## File "/src/kernel.py", line 8
+        /*0040*/              @P0  BRA `(.L_x_0) ;
+"""
+
+
+def test_each_instruction_keeps_the_lines_it_was_inlined_through():
+    """``nvdisasm -gi``: a group of line comments, innermost call first, before a run of
+    instructions; the innermost line is the instruction's line, as ``-g`` gives it."""
+    code, labels = static.parse_sass(SASS)
+    assert [i.opcode for i in code] == ["MOV", "SHFL.BFLY", "FADD", "FFMA", "BRA"]
+    assert code[0].line is None and code[0].chain == ()
+    assert code[1].line == ("/lib/standard.py", 293)
+    assert code[2].chain == (("/lib/standard.py", 293), ("/src/kernel.py", 7),
+                             ("/lib/standard.py", 263))  # fmt: skip
+    assert code[3].chain == (("/src/kernel.py", 3), ("/src/kernel.py", 9))
+    assert code[4].line == ("/src/kernel.py", 8) and code[4].target == ".L_x_0"
+    assert labels == {".L_x_0": 0x30}
+
+
+def test_instructions_count_at_the_innermost_line_of_the_kernels_source(tmp_path: Path):
+    """A reduction of Triton's library counts at the line that calls it, a helper's body at
+    its own line; the loop's instructions by its trip count; line 0 holds what has none."""
+    code, labels = static.parse_sass(SASS)
+    found = static.loops(code, labels, {"T": 5})
+    found[0].trips = 5  # (no source to read the trip count from)
+    counts = static.counts_by_line(code, found, "/src/kernel.py")
+    assert counts == {0: 1.0, 7: 2.0, 3: 5.0, 8: 5.0}
+    gpu = static.GPUS[90]
+    lines = static.top_lines([("forward", "/src/kernel.py", counts),
+                              ("forward", "/src/kernel.py", {7: 2.0}),
+                              ("backward", "/src/kernel.py", {3: 1.0})], gpu, 2)  # fmt: skip
+    assert [(r["kernel"], r["line"]) for r in lines] == [("forward", 3), ("forward", 8),
+                                                         ("backward", 3)]  # fmt: skip
+    assert lines[0]["share"] == pytest.approx(5 / 15) and lines[2]["share"] == 1.0
+    rate = gpu.sms * gpu.schedulers * gpu.clock_ghz * 1e6
+    assert lines[0]["issue_ms"] == pytest.approx(5 / rate)
+    assert lines[0]["file"] == "kernel.py"
+
+
 def test_warp_bases_of_each_layout_kind():
     """Per bit of the warp index, the element offset it adds: blocked and MMA layouts step a
     warp's coverage per bit along their axes, linear ones list it, a slice drops its axis."""
@@ -162,6 +213,36 @@ def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     summary = read_summary(out / "run.h5")
     assert summary["arch"] == 90 and summary["case0_fwd_bwd_issue_ms"] > 0
     assert summary["case0_triton_tiles_fwd_bwd_issue_ms"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_static_preset_names_the_costliest_lines_under_a_register_cap(workdir: Path):
+    """``lines=3``: each kernel's three source lines with the most instructions, printed and
+    in the run file; ``max_registers=64``: every launch compiled within 64 registers."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    out = workdir / "run"
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+        "attention_backends=[triton_tiles]", "lines=3", "max_registers=64",
+        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the source lines with the most instructions" in result.stdout
+    rows = read_table(out / "run.h5", "static")
+    assert np.all(rows["regs"] <= 64)
+    lines = read_table(out / "run.h5", "static_lines")
+    assert list(lines["kernel"]) == ["forward"] * 3 + ["backward"] * 3
+    assert set(lines["file"]) == {"triton_tiles_kernel.py"}
+    for kernel in ("forward", "backward"):
+        share = lines["share"][lines["kernel"] == kernel]
+        assert np.all(np.diff(share) <= 0) and 0 < share.sum() <= 1
+    source = Path(static.__file__).parents[1] / "nn" / "gsa" / "triton_tiles_kernel.py"
+    text = source.read_text().splitlines()
+    assert all(text[int(n) - 1].strip() == t
+               for n, t in zip(lines["line"], lines["text"], strict=True) if n)  # fmt: skip
 
 
 def test_baseline_launchers_bring_their_own_kernels(tmp_path: Path):

@@ -16,7 +16,8 @@ with Triton (``cuobjdump``, ``nvdisasm``):
   statement of the kernel source that the branch's line information names, evaluated at the
   launch's sizes; a loop the compiler unrolled is split between its unrolled copy and its
   remainder in proportion to their sizes). Both sides of a branch are counted, so this is an
-  upper estimate of what runs;
+  upper estimate of what runs. The same counts by line of the kernel's source
+  (:func:`counts_by_line`, :func:`top_lines`) say where they go;
 - **work the warps repeat**: from the compiler's layouts (TTGIR), the share of the
   floating-point operations' lanes that hold what another warp of the program also holds
   (a tensor smaller than its layout's warps cover, or a layout that keeps every warp on

@@ -723,6 +723,22 @@ def measure(launch: Launch, device: str) -> dict[str, float]:
 
 
 Rows = list[dict[str, Any]]
+MAX_REGISTERS = 255  # a thread's registers at most, on every architecture of GPUS
+
+
+def _analyse_capped(launch: Launch, arch: int, max_registers: int) -> dict[str, Any]:
+    """:func:`analyse`; a cap too small for the kernel is the caller's error, named with the
+    least cap the assembler asks for."""
+    try:
+        return analyse(launch, arch)
+    except Exception as err:
+        need = re.search(r"register target of (\d+) or higher", str(err))
+        if not max_registers or need is None:
+            raise
+        raise ConfigError(
+            f"max_registers={max_registers} is too few for the {launch.layer} {launch.kernel} "
+            f"kernel: the assembler needs at least {need.group(1)}; raise the cap"
+        ) from None
 
 
 def report(case, arch: int = 90, backend: str = "triton", device: str | None = None,
@@ -738,9 +754,14 @@ def report(case, arch: int = 90, backend: str = "triton", device: str | None = N
     every launch with at most that many registers a thread (Triton's ``maxnreg``; what does
     not fit spills to local memory)."""
     gpu_for(arch)
+    if not 0 <= max_registers <= MAX_REGISTERS:
+        raise ConfigError(f"max_registers={max_registers}: a thread has at most "
+                          f"{MAX_REGISTERS} registers; give a cap up to that, or 0 for the "
+                          "compiler's choice")  # fmt: skip
     capped = {"maxnreg": max_registers} if max_registers else {}
     with _fresh_cache():
-        rows = [analyse(launch, arch) | ({} if device is None else measure(launch, device))
+        rows = [_analyse_capped(launch, arch, max_registers)
+                | ({} if device is None else measure(launch, device))
                 for call in attention_calls(case)
                 for launch in (replace(one, meta=one.meta | capped) for one in
                                launches(call, backend, gpu_for(arch).sms, launcher))]  # fmt: skip

@@ -331,6 +331,9 @@ def static_report(cfg: Any, preset: Any) -> dict[str, Any]:
     if gsa_triton.interpreted():
         raise ConfigError(f"preset=gpu-static compiles for a GPU: set {gsa_triton.ENV}=0")
     static.gpu_for(cfg.arch)
+    if cfg.lines < 0:
+        raise ConfigError(f"lines={cfg.lines}: give how many source lines of each kernel to "
+                          "list, or 0 for none")  # fmt: skip
     device = None if cfg.device == "cpu" else _device(cfg.device)
     if device is not None:  # also run each launch there, compiled for the same architecture
         import torch

@@ -5,6 +5,7 @@ of the occupancy and the loop weighting, and that the command reports every laun
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +244,33 @@ def test_gpu_static_preset_names_the_costliest_lines_under_a_register_cap(workdi
     text = source.read_text().splitlines()
     assert all(text[int(n) - 1].strip() == t
                for n, t in zip(lines["line"], lines["text"], strict=True) if n)  # fmt: skip
+
+
+def test_a_register_cap_beyond_a_thread_or_a_negative_line_count_is_a_clear_error(
+    workdir: Path,
+):
+    with pytest.raises(ConfigError, match="max_registers=300: a thread has at most 255"):
+        static.report(None, max_registers=300)
+    result = run_symattn("benchmark", "preset=gpu-static", "lines=-1", "logger.mode=disabled",
+                         f"hydra.run.dir={workdir / 'run'}", cwd=workdir)  # fmt: skip
+    assert result.returncode != 0
+    assert "lines=-1: give how many source lines" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_register_cap_too_small_for_a_kernel_names_the_least_it_needs(workdir: Path):
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    result = run_symattn(
+        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+        "attention_backends=[triton_tiles]", "max_registers=16", "logger.mode=disabled",
+        f"hydra.run.dir={workdir / 'run'}", cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert re.search(r"max_registers=16 is too few for the 1 lifting .* forward kernel: the "
+                     r"assembler needs at least \d+; raise the cap", result.stderr)  # fmt: skip
 
 
 def test_baseline_launchers_bring_their_own_kernels(tmp_path: Path):

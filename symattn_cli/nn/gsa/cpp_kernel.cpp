@@ -128,6 +128,19 @@ typename Lanes<S>::V exp_shifted(typename Lanes<S>::V x) {
   return x < low ? V{} : p * reinterpret_cast<const V&>(bits);
 }
 
+// out[m G] = exp(x[m G] - top) over the M key elements of one g (stride G), with top their
+// maximum (the inner softmax's numerators); returns their sum. x and out may be one array.
+template <typename S>
+inline typename Lanes<S>::V exp_over_m(const typename Lanes<S>::V* x, typename Lanes<S>::V* out,
+                                       int64_t M, int64_t G, typename Lanes<S>::V& top) {
+  using V = typename Lanes<S>::V;
+  top = x[0];
+  for (int64_t m = 1; m < M; ++m) top = x[m * G] > top ? x[m * G] : top;
+  V sum{};
+  for (int64_t m = 0; m < M; ++m) sum += out[m * G] = exp_shifted<S>(x[m * G] - top);
+  return sum;
+}
+
 // The dropout hash of common.keep_mask, on one number or on a vector of them lane by lane.
 template <typename U>
 inline U hash32(U x) {
@@ -622,11 +635,8 @@ void forward_tile(const Problem<S>& p, Tile<S>& tl, bool backward = false) {
       }
     } else {
       for (int64_t g = 0; g < G; ++g) {  // softmax over m (by_v: its numerators only)
-        V top = pj[g];
-        for (int64_t m = 1; m < M; ++m) top = pj[m * G + g] > top ? pj[m * G + g] : top;
-        V sum{};
-        for (int64_t m = 0; m < M; ++m)
-          sum += pj[m * G + g] = exp_shifted<S>(pj[m * G + g] - top);
+        V top;
+        const V sum = exp_over_m<S>(pj + g, pj + g, M, G, top);
         tl.mx[j * G + g] = top;
         tl.sm[j * G + g] = sum;
         if (p.by_v) continue;
@@ -695,9 +705,8 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
   const V* glv = tl.gl + v * MG;
   V* f = tl.egl;
   for (int64_t g = 0; g < G; ++g) {
-    V top = glv[g];
-    for (int64_t m = 1; m < M; ++m) top = glv[m * G + g] > top ? glv[m * G + g] : top;
-    for (int64_t m = 0; m < M; ++m) f[m * G + g] = exp_shifted<S>(glv[m * G + g] - top);
+    V top;
+    exp_over_m<S>(glv + g, f + g, M, G, top);
   }
   tl.e = tl.pi, tl.ek = p.threshold ? tl.e0k : tl.pi;
   // sm[j, g] = sum_m E F
@@ -720,15 +729,8 @@ void group_row(const Problem<S>& p, Tile<S>& tl, int64_t v,
       const V* cj = tl.c0 + j * MG;
       V* evj = tl.ev + j * MG;
       for (int64_t mg = 0; mg < MG; ++mg) evj[mg] = cj[mg] + glv[mg];
-      for (int64_t g = 0; g < G; ++g) {
-        V top = evj[g];
-        for (int64_t m = 1; m < M; ++m) top = evj[m * G + g] > top ? evj[m * G + g] : top;
-        V sum{};
-        for (int64_t m = 0; m < M; ++m)
-          sum += evj[m * G + g] = exp_shifted<S>(evj[m * G + g] - top);
-        tl.mxv[j * G + g] = top;
-        tl.sm[j * G + g] = sum;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        tl.sm[j * G + g] = exp_over_m<S>(evj + g, evj + g, M, G, tl.mxv[j * G + g]);
     }
     shift = tl.mxv;
     std::fill(f, f + MG, V{} + 1);

@@ -184,21 +184,25 @@ def test_useful_flops_and_bytes_of_a_layer():
     assert static.dram_bytes(sizes, "backward", 4) == 380 + (8 + 24 + 6 + 20) * 4
 
 
+def _z2_report(workdir: Path, *options: str):
+    """``preset=gpu-static`` for the z2 net at batch 1 with ``options``, run into
+    ``workdir / "run"``; skips where Triton cannot compile for NVIDIA GPUs."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    return run_symattn("benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
+                       *options, "logger.mode=disabled", f"hydra.run.dir={workdir / 'run'}",
+                       cwd=workdir)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
     """The z2 net at batch 1: the lifting and four group layers, forward and backward each,
     by both Triton kernels, compiled for sm_90, with the totals; a row per launch in the run
     file; the issue bounds side by side."""
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton has no NVIDIA backend")
     out = workdir / "run"
-    result = run_symattn(
-        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
-        "attention_backends=[triton,triton_tiles]",
-        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
-    )  # fmt: skip
+    result = _z2_report(workdir, "attention_backends=[triton,triton_tiles]")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "H100" in result.stdout and "estimates" in result.stdout
     rows = read_table(out / "run.h5", "static")
@@ -220,16 +224,9 @@ def test_gpu_static_preset_reports_every_launch_of_a_net(workdir: Path):
 def test_gpu_static_preset_names_the_costliest_lines_under_a_register_cap(workdir: Path):
     """``lines=3``: each kernel's three source lines with the most instructions, printed and
     in the run file; ``max_registers=64``: every launch compiled within 64 registers."""
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton has no NVIDIA backend")
     out = workdir / "run"
-    result = run_symattn(
-        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
-        "attention_backends=[triton_tiles]", "lines=3", "max_registers=64",
-        "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
-    )  # fmt: skip
+    result = _z2_report(workdir, "attention_backends=[triton_tiles]", "lines=3",
+                        "max_registers=64")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the source lines with the most instructions" in result.stdout
     rows = read_table(out / "run.h5", "static")
@@ -259,15 +256,7 @@ def test_a_register_cap_beyond_a_thread_or_a_negative_line_count_is_a_clear_erro
 
 @pytest.mark.slow
 def test_a_register_cap_too_small_for_a_kernel_names_the_least_it_needs(workdir: Path):
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    result = run_symattn(
-        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
-        "attention_backends=[triton_tiles]", "max_registers=16", "logger.mode=disabled",
-        f"hydra.run.dir={workdir / 'run'}", cwd=workdir,
-    )  # fmt: skip
+    result = _z2_report(workdir, "attention_backends=[triton_tiles]", "max_registers=16")
     assert result.returncode != 0
     assert re.search(r"max_registers=16 is too few for the 1 lifting .* forward kernel: the "
                      r"assembler needs at least \d+; raise the cap", result.stderr)  # fmt: skip
@@ -299,16 +288,8 @@ def test_baseline_revision_that_does_not_exist_is_a_clear_error(tmp_path: Path):
 def test_gpu_static_preset_sets_another_revision_beside_todays(workdir: Path):
     """``kernel_baseline=HEAD``: each launch of the tiled kernel compiled at that revision and
     today's, both tables and the ratio of their issue bounds, rows of both in the run file."""
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton has no NVIDIA backend")
     out = workdir / "run"
-    result = run_symattn(
-        "benchmark", "preset=gpu-static", "groups=[z2]", "batch_sizes=[1]",
-        "attention_backends=[triton_tiles]", "kernel_baseline=HEAD", "logger.mode=disabled",
-        f"hydra.run.dir={out}", cwd=workdir,
-    )  # fmt: skip
+    result = _z2_report(workdir, "attention_backends=[triton_tiles]", "kernel_baseline=HEAD")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "issue bound, triton_tiles@HEAD over today's triton_tiles" in result.stdout
     rows = read_table(out / "run.h5", "static")

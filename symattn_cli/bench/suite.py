@@ -295,6 +295,10 @@ def select_cases(
             f"attention_backends={list(attention_backends)}: {bad} unknown; use any of "
             f"{list(BACKENDS)}"
         )
+    for option, values in (("batch_sizes", batch_sizes), ("image_sizes", image_sizes)):
+        small = [x for x in values if int(x) < 1]
+        if small:
+            raise ConfigError(f"{option}={list(values)}: {small} below 1; give sizes of at least 1")
     patches = [patch_size_option(p, "patch_sizes") for p in patch_sizes]
     wanted_groups = {canonical_group(g) for g in groups}
     out: list[Case] = []

@@ -25,6 +25,7 @@ from symattn_cli.commands.common import (
     start_run_tracker,
     to_yaml,
 )
+from symattn_cli.errors import ConfigError
 from symattn_cli.verify.records import Check
 
 RESULTS_FILE = "verify.h5"
@@ -45,6 +46,11 @@ def load_checkpoint(cfg: Any) -> Trained:
     from symattn_cli.commands.train import locate_run_file
     from symattn_cli.verify.checkpoint import checkpoint_images, load_trained
 
+    if cfg.checkpoint_images < 1:
+        raise ConfigError(
+            f"checkpoint_images={cfg.checkpoint_images} must be at least 1 (the test images the "
+            "checkpoint checks rotate)"
+        )
     path = locate_run_file(cfg.checkpoint, option="checkpoint")
     root = resolve_path(cfg.data_root)
     model, data, _ = load_trained(path, root)

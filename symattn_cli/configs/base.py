@@ -50,7 +50,6 @@ class VerifyConfig:
     checkpoint: str | None = None
     checkpoint_images: int = 500  # test digits the checkpoint checks rotate
     seed: int = 0
-    image_size: int = 0  # 0 = the built-in default sizes
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     data_root: str = "data"
     plot: bool = True

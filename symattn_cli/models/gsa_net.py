@@ -157,6 +157,12 @@ class GSANet(nn.Module):
             raise ValueError(
                 f"crops {list(crops)} needs one entry per attention layer ({sum(block_sizes)})"
             )
+        if any(c < 0 for c in crops):
+            raise ValueError(
+                f"crops {list(crops)}: a crop is the pixels cut from each border, >= 0"
+            )
+        if input_pool < 1:
+            raise ValueError(f"input_pool={input_pool} must be at least 1 (1: no pooling)")
         self.group = group
 
         def attention(c_in: int, c_out: int, lifting: bool) -> GroupSelfAttention:
@@ -210,6 +216,38 @@ class GSANet(nn.Module):
                 nn.init.normal_(module.weight, 0.0, gain / fan_in**0.5)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+
+    def map_sizes(self, image_size: int) -> list[int]:
+        """The side of the feature map after the input pooling and after each attention layer
+        and pooling of the blocks, for square images of ``image_size`` pixels; a ValueError
+        naming the crop where one leaves no pixel."""
+        pool = self.input_pool.kernel_size if isinstance(self.input_pool, nn.AvgPool2d) else 1
+        side = image_size // pool
+        sizes = [side]
+        layer = 0
+        for module in self.blocks:
+            if isinstance(module, GSABlock):
+                if 2 * module.crop_size >= side:
+                    crops = [b.crop_size for b in self.blocks if isinstance(b, GSABlock)]
+                    raise ValueError(
+                        f"crops {crops}: crop {module.crop_size} of attention layer "
+                        f"{layer + 1} leaves nothing of its {side}x{side} map ({image_size}x"
+                        f"{image_size} images); lower that crop or model.input_pool"
+                    )
+                side -= 2 * module.crop_size
+                layer += 1
+            elif isinstance(module, nn.MaxPool3d):
+                if side < 2:
+                    raise ValueError(
+                        f"the {side}x{side} map before a 2x2 pooling after attention layer "
+                        f"{layer} is too small ({image_size}x{image_size} images); lower the "
+                        "crops or model.input_pool"
+                    )
+                side //= 2
+            else:
+                continue
+            sizes.append(side)
+        return sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.input_dropout(self.input_pool(x))  # (B, C_in, H, W)
@@ -266,7 +304,7 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         kwargs["patch_size"] = patch_size_option(
             patch, "model.patch_size", also=", or 0 for the preset's"
         )
-    return GSANet(
+    net = GSANet(
         group=get_group(options.get("group", "z2")),
         in_channels=options.get("in_channels") or spec.in_channels,
         num_classes=options.get("num_classes") or spec.num_classes,
@@ -281,3 +319,6 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         norm=options.get("norm", "layer"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )
+    if spec.image_size > 0:
+        net.map_sizes(spec.image_size)
+    return net

@@ -224,7 +224,10 @@ def run_suite(
     for family in families:
         if family not in FAMILIES:
             raise ConfigError(f"families: {family!r} is unknown; choose from {FAMILIES}")
-    names = [get_group(g).name for g in groups] if groups else list(GROUP_NAMES)
+    try:
+        names = [get_group(g).name for g in groups] if groups else list(GROUP_NAMES)
+    except ValueError as err:
+        raise ConfigError(f"groups: {err}") from None
     rows: list[Check] = []
     if "gsa" in families:
         rows += gsa_checks(names, list(layers) or list(LAYERS)[:2] + ["block", "model"],

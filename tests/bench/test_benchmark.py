@@ -136,6 +136,10 @@ def test_select_cases_filters_and_sets_axes():
         select_cases(cases, models=["r9_sa"])
     with pytest.raises(ConfigError, match="gconv"):
         select_cases(cases, layers=["attention"])
+    with pytest.raises(ConfigError, match=r"batch_sizes=\[4, 0\]: \[0\] below 1"):
+        select_cases(cases, batch_sizes=[4, 0])
+    with pytest.raises(ConfigError, match=r"image_sizes=\[-1\]: \[-1\] below 1"):
+        select_cases(cases, image_sizes=[-1])
 
 
 def test_global_attention_is_spelled_global_in_patch_sizes():

@@ -88,6 +88,16 @@ def test_unknown_layer_is_a_clear_error(workdir):
     assert result.returncode == 2 and "layers: 'attn' is unknown" in result.stderr
 
 
+def test_unknown_group_and_too_few_images_are_clear_errors(workdir):
+    result = run_symattn("verify-equivariance", "groups=[r9]", "logger.mode=disabled",
+                         cwd=workdir)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "groups: unknown group 'r9'; choose one of: z2, z4, r8" in result.stderr
+    result = run_symattn("verify-equivariance", "checkpoint=run.h5", "checkpoint_images=0",
+                         "logger.mode=disabled", cwd=workdir)  # fmt: skip
+    assert result.returncode == 2 and "checkpoint_images=0 must be at least 1" in result.stderr
+
+
 @pytest.mark.slow
 def test_checkpoint_of_a_trained_gsa_model(workdir):
     run = workdir / "gsa"

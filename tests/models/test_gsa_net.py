@@ -9,6 +9,7 @@ import symattn_cli
 from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.models.gsa_net import GSANet, build
+from symattn_cli.models.registry import model_config
 from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
 from tests.helpers import threads
 
@@ -119,6 +120,36 @@ def test_batch_norm_network_is_invariant_in_training_and_evaluation(group):
                 assert (turned - reference).abs().max() <= 1e-10 * reference.abs().max()
     with pytest.raises(ValueError, match="norm"):
         GSANet(group=g, in_channels=1, num_classes=3, norm="instance")
+
+
+def test_map_sizes_follow_the_crops_and_pools():
+    """The r8_sa net on 28x28 digits: 28 after lifting, 24 after the first crop of 2, 12 after
+    pooling, then 8, 6, 4 (the sizes the layers of the static GPU report run at)."""
+    model = symattn_cli.create_model("r8_sa")
+    assert model.map_sizes(28) == [28, 24, 24, 12, 8, 6, 4]
+    assert symattn_cli.create_model("gsa_mini").map_sizes(28) == [14, 12, 6, 6, 6]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"crops": [5, 5, 5]},
+            r"crops \[5, 5, 5\]: crop 5 of attention layer 2 leaves nothing "
+            r"of its 2x2 map \(28x28 images\); lower that crop",
+        ),
+        ({"crops": [1, -1, 0]}, r"crops \[1, -1, 0\]: a crop is the pixels cut .* >= 0"),
+        ({"input_pool": 0}, r"input_pool=0 must be at least 1"),
+        ({"input_pool": 8}, r"the 1x1 map before a 2x2 pooling after attention layer 1"),
+    ],
+)
+def test_crops_and_pools_that_leave_no_map_are_refused_when_built(options, message):
+    """At build time, with the data's image size: not as a shape error in the first step."""
+    spec = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28,
+                    arch="rotmnist")  # fmt: skip
+    config = model_config("gsa_mini", **options)
+    with pytest.raises(ValueError, match=message):
+        build(config, spec)
 
 
 def test_global_attention_from_config():

@@ -157,6 +157,25 @@ def test_bad_settings_name_the_value():
         TrainSettings(device="tpu").check()
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"log_every_steps": 0}, r"trainer.log_every_steps=0 must be at least 1"),
+        ({"threads": -1}, r"trainer.threads=-1 must be >= 0 \(0 uses every core\)"),
+        ({"num_workers": -1}, r"trainer.num_workers=-1 must be >= 0"),
+        ({"max_steps_per_epoch": -2}, r"trainer.max_steps_per_epoch=-2 must be >= 0"),
+        ({"warmup_epochs": -0.5}, r"trainer.warmup_epochs=-0.5 must be >= 0"),
+        ({"weight_decay": -1e-4}, r"trainer.weight_decay=-0.0001 must be >= 0"),
+        ({"momentum": -0.9}, r"trainer.momentum=-0.9 must be >= 0"),
+        ({"min_lr_ratio": 1.5}, r"trainer.min_lr_ratio=1.5 .* give a value from 0 to 1"),
+    ],
+)
+def test_out_of_range_settings_name_the_value_and_the_range(values, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainSettings(**values).check()
+    TrainSettings(**{key: 0 for key in values if key != "log_every_steps"}).check()  # the edge
+
+
 def test_plain_progress_prints_one_line_per_epoch():
     stream = io.StringIO()
     with Progress("auto", stream=stream) as progress:  # not a TTY: plain

@@ -749,8 +749,8 @@ def _open(path: Path) -> Iterator[h5py.File]:
         elif "already open for write" not in text:
             raise RunFileError(
                 f"{path} cannot be read as HDF5 ({_first_line(err)}); it is corrupt or not a "
-                "run file. Pass the run.h5 written by `symattn train`, or start a new run "
-                "without resume="
+                "run file. Pass the run.h5 written by `symattn train` (to resume a run whose "
+                "file is lost, start a new one without resume=)"
             ) from None
         else:
             h5, live, source = _open_held(path)
@@ -815,8 +815,8 @@ def _open_swmr(path: Path) -> tuple[h5py.File, bool]:
 
 def _damaged(path: Path, what: str) -> DamagedRunFileError:
     return DamagedRunFileError(
-        f"{path} is damaged: {what}; none of it is read. Use an intact copy, or start the run "
-        "again without resume="
+        f"{path} is damaged: {what}; none of it is read. Use an intact copy (to resume a run "
+        "whose file is damaged, start it again without resume=)"
     )
 
 

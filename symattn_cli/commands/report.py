@@ -149,10 +149,10 @@ def report(cfg: Any) -> Report:
     directory = run_dir()
     targets = [directory / name for name in (CSV_FILE, MARKDOWN_FILE, RESULTS_FILE)]
     if cfg.x and cfg.x not in found.columns:
-        raise ConfigError(
-            f"x={cfg.x} is not a column of this report; choose one of {found.columns} (or add "
-            "it with group_by=[...])"
-        )
+        choices = (f"choose one of {found.columns} (or add it with group_by=[...])"
+                   if found.columns else f"this report groups by no option; add it with "
+                   f"group_by=[{cfg.x}]")  # fmt: skip
+        raise ConfigError(f"x={cfg.x} is not a column of this report; {choices}")
     if cfg.x:
         plots.trend_values(found.groups, cfg.x)  # a non-numeric column fails before any file
     if cfg.plot:

@@ -172,3 +172,12 @@ def test_a_trend_plots_each_metric_against_a_numeric_column(tmp_path, monkeypatc
     assert path.stat().st_size > 10_000
     with pytest.raises(ConfigError, match="x=model needs numbers.*'cnn_mini'"):
         plots.trend_values(found.groups, "model")
+
+
+def test_a_trend_over_a_column_the_report_lacks_says_how_to_add_it(workdir):
+    for seed in (0, 1):
+        write_run(workdir / "runs" / f"s{seed}", seed=seed)
+    result = run_symattn("report", "runs", "x=seed", cwd=workdir)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "x=seed is not a column of this report; this report groups by no option; add it " \
+           "with group_by=[seed]" in result.stderr  # fmt: skip

@@ -16,6 +16,30 @@ from torch import nn
 from symattn_cli.data.base import DataSpec
 
 
+def check_layers(channels: Sequence[int], kernel_size: int, pools: Sequence[int],
+                 image_size: int = 0) -> None:  # fmt: skip
+    """A ValueError naming the option where the convolution layers ``channels`` with filters
+    of side ``kernel_size`` and a 2x2 max-pooling after each layer index in ``pools`` cannot
+    be built or, for square images of ``image_size`` pixels (0: unknown), leave no map."""
+    if not channels or any(c < 1 for c in channels):
+        raise ValueError(f"channels={list(channels)}: give one width of at least 1 a layer")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size={kernel_size} must be odd and positive (same padding)")
+    bad = [i for i in pools if not 0 <= i < len(channels)]
+    if bad:
+        raise ValueError(
+            f"pool_after={list(pools)}: {bad} name no layer; layers are 0..{len(channels) - 1}"
+        )
+    side = image_size
+    for i in sorted(set(pools)):
+        if image_size and side < 2:
+            raise ValueError(
+                f"the pooling after layer {i} meets a {side}x{side} map ({image_size}x"
+                f"{image_size} images); use fewer layers or poolings"
+            )
+        side //= 2
+
+
 class PlainCNN(nn.Module):
     def __init__(
         self,
@@ -27,8 +51,7 @@ class PlainCNN(nn.Module):
         dropout: float = 0.1,
     ) -> None:
         super().__init__()
-        if kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size={kernel_size} must be odd (same padding)")
+        check_layers(channels, kernel_size, range(len(channels) - 1))
         layers: list[nn.Module] = []
         width = in_channels
         for i, out in enumerate(channels):
@@ -54,6 +77,8 @@ class PlainCNN(nn.Module):
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> PlainCNN:
+    check_layers(options["channels"], options["kernel_size"],
+                 range(len(options["channels"]) - 1), spec.image_size)  # fmt: skip
     return PlainCNN(
         in_channels=options.get("in_channels") or spec.in_channels,
         num_classes=options.get("num_classes") or spec.num_classes,

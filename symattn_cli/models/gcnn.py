@@ -19,6 +19,7 @@ from torch import nn
 
 from symattn_cli.data.base import DataSpec
 from symattn_cli.groups import Group, get_group
+from symattn_cli.models.cnn import check_layers
 
 
 def _check_grid_group(group: Group) -> None:
@@ -93,8 +94,7 @@ class GroupCNN(nn.Module):
         dropout: float = 0.3,
     ) -> None:
         super().__init__()
-        if kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size={kernel_size} must be odd (same padding)")
+        check_layers(channels, kernel_size, pool_after)
         self.group = group
         layers: list[nn.Module] = []
         width = in_channels
@@ -117,6 +117,8 @@ class GroupCNN(nn.Module):
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:
+    check_layers(options["channels"], options["kernel_size"], options["pool_after"],
+                 spec.image_size)  # fmt: skip
     return GroupCNN(
         group=get_group(options.get("group", "z4")),
         in_channels=options.get("in_channels") or spec.in_channels,

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from symattn_cli.errors import ConfigError
+from symattn_cli.errors import ConfigError, UserError
 
 MODES = ("online", "offline", "disabled")
 
@@ -84,19 +84,27 @@ def start_tracker(
 
     directory = Path(wandb_dir) if wandb_dir else Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(
-        mode=mode,
-        project=project,
-        entity=entity,
-        group=group,
-        tags=list(tags or []),
-        name=name,
-        dir=str(directory),
-        config=dict(config),
-        id=run_id,
-        job_type=job_type,
-        resume="allow" if run_id else None,
-        reinit="finish_previous",
-        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
-    )
+    try:
+        run = wandb.init(
+            mode=mode,
+            project=project,
+            entity=entity,
+            group=group,
+            tags=list(tags or []),
+            name=name,
+            dir=str(directory),
+            config=dict(config),
+            id=run_id,
+            job_type=job_type,
+            resume="allow" if run_id else None,
+            reinit="finish_previous",
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+    except wandb.errors.Error as err:  # no login, no network, a project it may not write to
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"logger.mode={mode}: W&B could not start the run ({first}); log in with `wandb "
+            "login` (or set WANDB_API_KEY), or run with logger.mode=offline (`wandb sync` "
+            "uploads it later) or logger.mode=disabled"
+        ) from None
     return Tracker(run)

@@ -25,3 +25,25 @@ def test_gcnn_logits_are_invariant(group):
 def test_gcnn_rejects_off_grid_groups():
     with pytest.raises(ValueError, match="quarter turns"):
         symattn_cli.create_model("gcnn", group="r8")
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("gcnn_mini", {"channels": []}, r"channels=\[\]: give one width of at least 1 a layer"),
+        ("cnn_mini", {"channels": [8, 0]}, r"channels=\[8, 0\]: give one width"),
+        ("cnn_mini", {"kernel_size": -1}, r"kernel_size=-1 must be odd and positive"),
+        ("gcnn_mini", {"kernel_size": 4}, r"kernel_size=4 must be odd and positive"),
+        ("gcnn_mini", {"pool_after": [1, 9]}, r"pool_after=\[1, 9\]: \[9\] name no layer"),
+        ("cnn_mini", {"channels": [4] * 6},
+         r"the pooling after layer 4 meets a 1x1 map \(28x28 images\)"),
+    ],
+)  # fmt: skip
+def test_conv_baselines_refuse_layers_that_cannot_be_built(name, options, message):
+    """Refused when built for the data, not as a shape error in the first step."""
+    from symattn_cli.data.base import DataSpec
+    from symattn_cli.models.registry import build_model, model_config
+
+    spec = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28)
+    with pytest.raises(ValueError, match=message):
+        build_model(model_config(name, **options), spec)

@@ -2,7 +2,7 @@
 
 Writes ``<run dir>/run.h5`` (see :mod:`symattn_cli.train.runfile`) and streams metrics to
 Weights & Biases. ``resume=<run dir or run.h5>`` continues a killed run from its last finished
-epoch, with the config stored in the run file.
+epoch, with the config stored in the run file (:func:`resumed_config`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,47 @@ def stored_config(path: Path):
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
 
 
+# What a resumed run takes from the command line: how it reports and where it runs, not what
+# it computes (the rest comes from its run file).
+RESUME_FREE = ("logger", "trainer.progress", "trainer.profile", "trainer.threads",
+               "trainer.device", "trainer.num_workers", "data_root")  # fmt: skip
+
+
+def resumed_config(stored: Any, given: Any, overrides: list[str]) -> Any:
+    """The config a resumed run continues with: ``stored`` (the run file's) with the command
+    line's (``given``, composed from ``overrides``) values of :data:`RESUME_FREE`. An override
+    of anything else that differs from the stored value is a :class:`ConfigError` naming it:
+    the run's state belongs to its own config."""
+    from omegaconf import OmegaConf
+
+    differ = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "resume" or key.startswith("hydra.") or "=" not in override:
+            continue
+        value = OmegaConf.select(given, key)
+        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if any(key == free or key.startswith(free + ".") for free in RESUME_FREE):
+            OmegaConf.update(stored, key, plain, merge=True)
+            continue
+        kept = OmegaConf.select(stored, key)
+        if (OmegaConf.to_container(kept) if OmegaConf.is_config(kept) else kept) != plain:
+            differ.append(override)
+    if differ:
+        raise ConfigError(
+            f"resume= continues a run with the config in its run file; {', '.join(differ)} "
+            "would change it. Drop those overrides, or start a new run with them (more epochs "
+            "are a new run: trainer.epochs shapes the learning-rate schedule)"
+        )
+    return stored
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def train(cfg: Any) -> dict[str, float]:
     """Run one training job described by ``cfg``; return the final summary."""
     import torch
@@ -84,7 +125,7 @@ def train(cfg: Any) -> dict[str, float]:
     resume_path = locate_run_file(cfg.resume) if cfg.resume else None
     state = None
     if resume_path is not None:
-        cfg = stored_config(resume_path)
+        cfg = resumed_config(stored_config(resume_path), cfg, _task_overrides())
         state = read_state(resume_path)  # first: a state that cannot be read fails at once
         directory = resume_path.parent
     else:

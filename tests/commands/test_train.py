@@ -92,6 +92,42 @@ def test_foreign_resume_file_is_clear(workdir):
     assert "not a symattn run file" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_resumed_run_keeps_its_config_and_takes_only_how_it_reports():
+    """resume= with logger, progress or threads: taken; with what the run computes (the
+    model, the epochs, the seed): refused by name when it differs, accepted when it does not."""
+    from omegaconf import OmegaConf
+
+    from symattn_cli.commands.train import resumed_config
+    from symattn_cli.configs.base import TrainConfig
+    from symattn_cli.errors import ConfigError
+
+    stored = OmegaConf.structured(TrainConfig)
+    given = OmegaConf.merge(stored, {"logger": {"mode": "disabled"},
+                                     "trainer": {"progress": "plain", "threads": 1}})  # fmt: skip
+    run = resumed_config(OmegaConf.merge(stored), given,
+                         ["resume=x", "logger=disabled", "trainer.progress=plain",
+                          "trainer.threads=1", f"trainer.epochs={stored.trainer.epochs}",
+                          "hydra.run.dir=x"])  # fmt: skip
+    assert run.logger.mode == "disabled" and run.trainer.progress == "plain"
+    assert run.trainer.threads == 1 and run.trainer.epochs == stored.trainer.epochs
+    assert run.seed == stored.seed
+    given = OmegaConf.merge(given, {"trainer": {"epochs": 3}, "seed": 7})
+    with pytest.raises(ConfigError, match=r"; trainer.epochs=3, seed=7 would change it\. Drop"):
+        resumed_config(OmegaConf.merge(stored), given,
+                       ["resume=x", "trainer.epochs=3", "seed=7", "logger=disabled"])  # fmt: skip
+
+
+def test_resume_with_another_model_is_refused(workdir):
+    run = workdir / "run"
+    trained = run_symattn("train", *TINY_TRAIN, "trainer.epochs=1", f"hydra.run.dir={run}",
+                          cwd=workdir)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    result = run_symattn("train", f"resume={run}", "model=cnn_mini", cwd=workdir)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "resume= continues a run with the config in its run file; model=cnn_mini would " \
+           "change it" in result.stderr  # fmt: skip
+
+
 def _plant_state(path: Path, payload: bytes) -> None:
     """Put ``payload`` into the run file's state slot 0 with its digest and make it current,
     as someone who edits a shared run file could (the checksums then hold: the state's

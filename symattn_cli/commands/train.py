@@ -73,18 +73,28 @@ def resumed_config(stored: Any, given: Any, overrides: list[str]) -> Any:
     the run's state belongs to its own config."""
     from omegaconf import OmegaConf
 
+    def plain(config: Any, key: str) -> Any:
+        """The value at ``key``, without the keys of :data:`RESUME_FREE` below it."""
+        value = OmegaConf.select(config, key)
+        if not OmegaConf.is_config(value):
+            return value
+        value = OmegaConf.to_container(value)
+        for free in RESUME_FREE:
+            if free.startswith(key + "."):
+                value.pop(free[len(key) + 1 :], None)
+        return value
+
     differ = []
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key == "resume" or key.startswith("hydra.") or "=" not in override:
             continue
-        value = OmegaConf.select(given, key)
-        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         if any(key == free or key.startswith(free + ".") for free in RESUME_FREE):
-            OmegaConf.update(stored, key, plain, merge=True)
+            OmegaConf.update(stored, key, plain(given, key), merge=True)
             continue
-        kept = OmegaConf.select(stored, key)
-        if (OmegaConf.to_container(kept) if OmegaConf.is_config(kept) else kept) != plain:
+        # a preset that sets other keys (experiment=...) is compared by what it computes
+        keys = [key] if key in given or "." in key else ["model", "data", "trainer", "seed"]
+        if any(plain(given, k) != plain(stored, k) for k in keys):
             differ.append(override)
     if differ:
         raise ConfigError(

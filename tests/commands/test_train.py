@@ -111,10 +111,15 @@ def test_a_resumed_run_keeps_its_config_and_takes_only_how_it_reports():
     assert run.logger.mode == "disabled" and run.trainer.progress == "plain"
     assert run.trainer.threads == 1 and run.trainer.epochs == stored.trainer.epochs
     assert run.seed == stored.seed
+    # a preset (experiment=...) is judged by what it sets, the free keys aside
+    same = OmegaConf.merge(stored, {"trainer": {"progress": "plain"}})
+    resumed_config(OmegaConf.merge(stored), same, ["experiment=x", "trainer.progress=plain"])
     given = OmegaConf.merge(given, {"trainer": {"epochs": 3}, "seed": 7})
     with pytest.raises(ConfigError, match=r"; trainer.epochs=3, seed=7 would change it\. Drop"):
         resumed_config(OmegaConf.merge(stored), given,
                        ["resume=x", "trainer.epochs=3", "seed=7", "logger=disabled"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"; experiment=x would change it"):
+        resumed_config(OmegaConf.merge(stored), given, ["experiment=x"])
 
 
 def test_resume_with_another_model_is_refused(workdir):

@@ -23,6 +23,7 @@ from typing import Any
 
 from symattn_cli.bench.measure import Case
 from symattn_cli.errors import ConfigError
+from symattn_cli.groups import group_option
 
 # The GSA-Net issue's figures for the reference implementation: rotMNIST model (5x5, 20
 # channels, 9 heads), fp32, forward + backward, 2-core CPU. group -> (seconds, GB peak RSS).
@@ -200,15 +201,6 @@ def get_preset(name: str) -> Preset:
 # ---------------------------------------------------------------- case resolution
 
 
-def canonical_group(name: str) -> str:
-    from symattn_cli.groups import canonical_group_name
-
-    try:
-        return canonical_group_name(name)
-    except ValueError as err:
-        raise ConfigError(f"groups: {err}") from None
-
-
 def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
     """The case with its model options made explicit, and the columns that describe it."""
     from symattn_cli.groups import get_group
@@ -246,7 +238,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
                     channels=case.channels, heads=heads)  # fmt: skip
     if info["patch_size"] is None:
         info["patch_size"] = GLOBAL_P
-    group = get_group(canonical_group(case.group))
+    group = get_group(group_option(case.group))
     info = dict(label=label, kind=case.kind, name=case.name, group=group.name,
                 group_order=group.order, image_size=case.image_size, batch=case.batch,
                 attention_backend=case.attention_backend if case.attends else "",
@@ -300,10 +292,10 @@ def select_cases(
         if small:
             raise ConfigError(f"{option}={list(values)}: {small} below 1; give sizes of at least 1")
     patches = [patch_size_option(p, "patch_sizes") for p in patch_sizes]
-    wanted_groups = {canonical_group(g) for g in groups}
+    wanted_groups = {group_option(g) for g in groups}
     out: list[Case] = []
     for case in cases:
-        if wanted_groups and canonical_group(case.group) not in wanted_groups:
+        if wanted_groups and group_option(case.group) not in wanted_groups:
             continue
         if case.kind == "model" and models and case.name not in models:
             continue

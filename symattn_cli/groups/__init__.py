@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from symattn_cli.errors import ConfigError
 from symattn_cli.groups.base import GridActionError, Group, grid_coordinates, translate
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "canonical_group_name",
     "get_group",
     "grid_coordinates",
+    "group_option",
     "translate",
 ]
 
@@ -45,6 +47,15 @@ def canonical_group_name(name: str) -> str:
         valid = ", ".join(GROUP_NAMES + [f"{a} (= {c})" for a, c in GROUP_ALIASES.items()])
         raise ValueError(f"unknown group {name!r}; choose one of: {valid}")
     return key
+
+
+def group_option(name: str) -> str:
+    """:func:`canonical_group_name` for a command's ``groups`` option: an unknown name is a
+    :class:`~symattn_cli.errors.ConfigError` naming the option and the choices."""
+    try:
+        return canonical_group_name(name)
+    except ValueError as err:
+        raise ConfigError(f"groups: {err}") from None
 
 
 @cache

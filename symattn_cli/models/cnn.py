@@ -16,11 +16,10 @@ from torch import nn
 from symattn_cli.data.base import DataSpec
 
 
-def check_layers(channels: Sequence[int], kernel_size: int, pools: Sequence[int],
-                 image_size: int = 0) -> None:  # fmt: skip
+def check_layers(channels: Sequence[int], kernel_size: int, pools: Sequence[int]) -> None:
     """A ValueError naming the option where the convolution layers ``channels`` with filters
     of side ``kernel_size`` and a 2x2 max-pooling after each layer index in ``pools`` cannot
-    be built or, for square images of ``image_size`` pixels (0: unknown), leave no map."""
+    be built."""
     if not channels or any(c < 1 for c in channels):
         raise ValueError(f"channels={list(channels)}: give one width of at least 1 a layer")
     if kernel_size < 1 or kernel_size % 2 == 0:
@@ -30,6 +29,11 @@ def check_layers(channels: Sequence[int], kernel_size: int, pools: Sequence[int]
         raise ValueError(
             f"pool_after={list(pools)}: {bad} name no layer; layers are 0..{len(channels) - 1}"
         )
+
+
+def check_pools(pools: Sequence[int], image_size: int) -> None:
+    """A ValueError where a 2x2 max-pooling after a layer index in ``pools`` meets a map of
+    one pixel, for square images of ``image_size`` pixels (0: unknown, nothing checked)."""
     side = image_size
     for i in sorted(set(pools)):
         if image_size and side < 2:
@@ -77,12 +81,12 @@ class PlainCNN(nn.Module):
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> PlainCNN:
-    check_layers(options["channels"], options["kernel_size"],
-                 range(len(options["channels"]) - 1), spec.image_size)  # fmt: skip
-    return PlainCNN(
+    model = PlainCNN(
         in_channels=options.get("in_channels") or spec.in_channels,
         num_classes=options.get("num_classes") or spec.num_classes,
         channels=tuple(options["channels"]),
         kernel_size=options["kernel_size"],
         dropout=options["dropout"],
     )
+    check_pools(range(len(options["channels"]) - 1), spec.image_size)
+    return model

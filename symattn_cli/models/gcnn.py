@@ -19,7 +19,7 @@ from torch import nn
 
 from symattn_cli.data.base import DataSpec
 from symattn_cli.groups import Group, get_group
-from symattn_cli.models.cnn import check_layers
+from symattn_cli.models.cnn import check_layers, check_pools
 
 
 def _check_grid_group(group: Group) -> None:
@@ -117,9 +117,7 @@ class GroupCNN(nn.Module):
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:
-    check_layers(options["channels"], options["kernel_size"], options["pool_after"],
-                 spec.image_size)  # fmt: skip
-    return GroupCNN(
+    model = GroupCNN(
         group=get_group(options.get("group", "z4")),
         in_channels=options.get("in_channels") or spec.in_channels,
         num_classes=options.get("num_classes") or spec.num_classes,
@@ -128,3 +126,5 @@ def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:
         pool_after=tuple(options["pool_after"]),
         dropout=options["dropout"],
     )
+    check_pools(options["pool_after"], spec.image_size)
+    return model

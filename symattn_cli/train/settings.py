@@ -48,15 +48,11 @@ class TrainSettings:
             raise ConfigError(
                 f"trainer.progress={self.progress!r} is unknown; use one of {PROGRESS_MODES}"
             )
-        for name in ("epochs", "batch_size", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "eval_batch_size", "log_every_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be at least 1")
         if self.lr <= 0:
             raise ConfigError(f"trainer.lr={self.lr} must be positive")
-        if self.log_every_steps < 1:
-            raise ConfigError(
-                f"trainer.log_every_steps={self.log_every_steps} must be at least 1 (every step)"
-            )
         for name, meaning in (
             ("threads", "0 uses every core"),
             ("num_workers", "0 loads data in the training process"),
@@ -64,6 +60,7 @@ class TrainSettings:
             ("warmup_epochs", "0 starts at the full lr"),
             ("weight_decay", "0 turns it off"),
             ("momentum", "0 turns it off"),
+            ("grad_clip", "0 disables it"),
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0 ({meaning})")
@@ -72,8 +69,6 @@ class TrainSettings:
                 f"trainer.min_lr_ratio={self.min_lr_ratio} is the cosine floor as a fraction of "
                 "trainer.lr; give a value from 0 to 1"
             )
-        if self.grad_clip < 0:
-            raise ConfigError(f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 disables it)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(
                 f"trainer.device={self.device!r} is unknown; use auto, cpu, cuda or cuda:N"

@@ -217,17 +217,14 @@ def run_suite(
     offgrid: bool = True,
 ) -> list[Check]:
     """All checks selected; an empty ``groups`` / ``layers`` means all of them."""
-    from symattn_cli.groups import GROUP_NAMES, get_group
+    from symattn_cli.groups import GROUP_NAMES, group_option
 
     if dtype not in ("float64", "float32"):
         raise ConfigError(f"dtype={dtype!r} is unknown; use float64 or float32")
     for family in families:
         if family not in FAMILIES:
             raise ConfigError(f"families: {family!r} is unknown; choose from {FAMILIES}")
-    try:
-        names = [get_group(g).name for g in groups] if groups else list(GROUP_NAMES)
-    except ValueError as err:
-        raise ConfigError(f"groups: {err}") from None
+    names = [group_option(g) for g in groups] if groups else list(GROUP_NAMES)
     rows: list[Check] = []
     if "gsa" in families:
         rows += gsa_checks(names, list(layers) or list(LAYERS)[:2] + ["block", "model"],

@@ -101,6 +101,57 @@ def test_spatial_gradient_in_copies(backend, form, shape, device, monkeypatch):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
 
 
+@pytest.fixture
+def deterministic_mode():
+    """``set(warn_only)`` turns torch's deterministic mode on for the test (without importing
+    the compiler, as the trainer does); the mode before is restored after it."""
+
+    def put(mode: bool, warn_only: bool) -> None:
+        setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+        if setter is None:
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        else:
+            setter(mode, warn_only=warn_only)
+
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    yield lambda warn_only: put(True, warn_only)
+    put(*before)
+
+
+def test_atomic_backwards_alert_under_deterministic_mode(deterministic_mode):
+    """On a GPU the Triton backwards sum by atomic adds: under torch's deterministic mode they
+    raise (or warn with warn_only=True) as torch's own such operations do, naming the backend
+    and the reproducible one; on the CPU (the interpreter runs programs in order), or with the
+    mode off, nothing."""
+    from symattn_cli.nn.gsa.common import alert_not_deterministic
+
+    what, gpu_device = "attention_backend=triton's backward", torch.device("cuda")
+    alert_not_deterministic(what, gpu_device)  # the mode off: nothing
+    deterministic_mode(warn_only=False)
+    with pytest.raises(RuntimeError, match=r"triton's backward .* model\.attention_backend=torch"):
+        alert_not_deterministic(what, gpu_device)
+    alert_not_deterministic(what, torch.device("cpu"))
+    deterministic_mode(warn_only=True)
+    with pytest.warns(UserWarning, match="atomic adds on the GPU"):
+        alert_not_deterministic(what, gpu_device)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
+def test_each_backward_alerts_on_its_inputs_device(backend, device, monkeypatch):
+    """Each Triton backward asks for the alert once, for the device its tensors are on."""
+    from symattn_cli.nn.gsa import triton_tiles
+
+    module = gsa_triton if backend == "triton" else triton_tiles
+    calls = []
+    monkeypatch.setattr(module, "alert_not_deterministic", lambda *a: calls.append(a))
+    form, shape = CASES[0]
+    _run(factorised_attention, _on(device, _inputs(**_small(shape))), form, backend=backend)
+    assert calls == [(f"attention_backend={backend}'s backward", torch.device(device))]
+
+
 @pytest.mark.parametrize("block", [1, 4, None])
 def test_v_dependent_group_term_over_blocks(block, device, monkeypatch):
     """gl ``(Z, L, V, M, G)`` in the kernel: 9 neighbours (global offsets, one invalid for
@@ -320,6 +371,20 @@ def test_gpu_layers_are_exactly_equivariant(kind):
     assert core.backend_for("cuda", torch.float64) == "triton_tiles"
     records = layer_equivariance("z4m", kind, image_size=6, device="cuda")
     assert max(r["max_rel"] for r in records) <= 1e-10, records
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
+def test_gpu_backward_refuses_deterministic_mode(backend, deterministic_mode):
+    """Under torch's deterministic mode a Triton backward on the GPU raises; the torch
+    backend, whose gathers' gradients torch sums deterministically there, runs."""
+    form, shape = CASES[0]
+    inputs = _on("cuda", _inputs(**_small(shape)))
+    deterministic_mode(warn_only=False)
+    with pytest.raises(RuntimeError, match="deterministic mode"):
+        _run(factorised_attention, inputs, form, backend=backend)
+    _run(factorised_attention, inputs, form, backend="torch")
 
 
 @gpu

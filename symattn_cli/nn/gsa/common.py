@@ -1,7 +1,10 @@
-"""Pieces every backend of the attention core shares: the attention-dropout keep mask and the
-spatial table lookup (:mod:`symattn_cli.nn.gsa.core` states the algorithm and the letters)."""
+"""Pieces every backend of the attention core shares: the attention-dropout keep mask, the
+spatial table lookup (:mod:`symattn_cli.nn.gsa.core` states the algorithm and the letters),
+and the Triton backwards' copies of drho and their alert under torch's deterministic mode."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -23,6 +26,27 @@ def gradient_copies(q: torch.Tensor, rho: torch.Tensor | None, sms: int | None =
             return 1
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     return max(1, min(sms, q.numel() // max(rho.numel(), 1)))
+
+
+def alert_not_deterministic(what: str, device: torch.device) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)``, what torch does for its own
+    operations without a deterministic implementation: raise, or warn with ``warn_only=True``.
+    ``what`` is a Triton backward, whose atomic adds on a GPU sum in an order, and so to last
+    bits, that vary from run to run; on the CPU (the interpreter) it runs programs in order."""
+    if device.type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"{what} sums gradients by atomic adds on the GPU, so their last bits vary from run to "
+        "run under torch's deterministic mode; for reproducible gradients use "
+        "model.attention_backend=torch (slower)"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=2)
+    else:
+        raise RuntimeError(
+            f"{message}, or accept them with torch.use_deterministic_algorithms(True, "
+            "warn_only=True)"
+        )
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ the kernel is tested on machines without a GPU (``tests/conftest.py`` sets it th
 each program in Python, far too slowly for anything else.
 
 The dispatcher hands over float32 or float64 tensors (half precision widened). dk, dv and
-drho are summed by atomic adds, so on a GPU their last bits vary from run to run.
+drho are summed by atomic adds, so on a GPU their last bits vary from run to run; under
+torch's deterministic mode the backward raises or warns, as torch's own such operations do
+(:func:`~symattn_cli.nn.gsa.common.alert_not_deterministic`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from symattn_cli.nn.gsa.common import gradient_copies
+from symattn_cli.nn.gsa.common import alert_not_deterministic, gradient_copies
 
 ENV = "TRITON_INTERPRET"
 # Numbers in a block's largest tensor, (BJ, BM, BG) or (BT, BJ, BG), held in registers: sized
@@ -100,6 +102,7 @@ class TritonAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, gl, rho, lse = ctx.saved_tensors
+        alert_not_deterministic("attention_backend=triton's backward", q.device)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dgl = None if gl is None else torch.zeros_like(gl)
         drho = None if rho is None else torch.zeros_like(rho)  # no queries: no gradient

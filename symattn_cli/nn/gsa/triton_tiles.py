@@ -6,7 +6,8 @@ encoding itself, not the group logits.
 
 The dispatcher hands over float32 or float64 tensors (half precision widened). dk, dv and
 drho (and dq where a query's rows are split over programs, groups of 16 elements) are summed
-by atomic adds, so on a GPU their last bits vary from run to run; d grho is summed per
+by atomic adds, so on a GPU their last bits vary from run to run (under torch's deterministic
+mode the backward raises or warns, as the ``triton`` backend's does); d grho is summed per
 program and then over programs in a fixed order.
 """
 
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from symattn_cli.nn.gsa.common import gradient_copies
+from symattn_cli.nn.gsa.common import alert_not_deterministic, gradient_copies
 from symattn_cli.nn.gsa.triton import ENV, available, interpreted
 
 # Columns (halo points times key elements) of a block of logits: each thread of the
@@ -179,6 +180,7 @@ class TiledAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, grho, lse, rows = ctx.saved_tensors
+        alert_not_deterministic("attention_backend=triton_tiles's backward", q.device)
         stats = (lse, rows.view(ctx.rows))
         _, _, (_, k, v, _, rho, *_), meta = ctx.plan
         rho = rho if meta["HAS_RHO"] else None  # the plan holds a stand-in for an absent one

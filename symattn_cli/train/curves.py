@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 CURVES_FILE = "curves.png"
+_MARGINS = ("left", "right", "bottom", "top", "wspace", "hspace")
 SCORES = ("acc", "exact")
 SPLIT_STYLE = {"train": ("tab:blue", "o"), "val": ("tab:orange", "s"), "test": ("tab:red", "*")}
 
@@ -37,8 +38,13 @@ def plot_learning_curves(
     summary: Mapping[str, float],
     path: str | Path,
     title: str = "",
+    layout: dict[str, float] | None = None,
 ) -> Path | None:
-    """Write the learning curves to ``path``; ``None`` (nothing written) before any epoch."""
+    """Write the learning curves to ``path``; ``None`` (nothing written) before any epoch.
+
+    ``layout``: the panels' margins and spacing (``Figure.subplots_adjust``'s arguments).
+    Empty, they are fitted to the drawn text (``tight_layout``) and stored in it; a later call
+    with the same dict places the panels so without measuring the text again."""
     if len(epochs.get("epoch", ())) == 0:
         return None
     import matplotlib
@@ -84,7 +90,13 @@ def plot_learning_curves(
     ax_score.legend(fontsize=7, loc="best")
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    if layout:
+        fig.subplots_adjust(**layout)
+    else:
+        fig.tight_layout()
+        if layout is not None:
+            params = fig.subplotpars
+            layout.update({key: getattr(params, key) for key in _MARGINS})
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.png")
     fig.savefig(partial, dpi=110)
@@ -95,9 +107,12 @@ def plot_learning_curves(
 
 def epoch_plotter(run_file, path: Path, title: str = "") -> Callable[[], None]:
     """A callback for the trainer's ``on_epoch``: redraw ``path`` from the open run file
-    after every epoch, so that a long run's curves can be looked at while it trains. A
-    plotting failure warns once and stops the redrawing; the run goes on."""
+    after every epoch, so that a long run's curves can be looked at while it trains. The
+    panels keep the layout fitted at the first redraw (fitting it measures every label, a
+    third of a redraw). A plotting failure warns once and stops the redrawing; the run goes
+    on."""
     failed = False
+    layout: dict[str, float] = {}
 
     def draw() -> None:
         nonlocal failed
@@ -105,7 +120,7 @@ def epoch_plotter(run_file, path: Path, title: str = "") -> Callable[[], None]:
             return
         try:
             epochs, steps = run_file.metrics("epoch"), run_file.metrics("step")
-            plot_learning_curves(epochs, steps, {}, path, title=title)
+            plot_learning_curves(epochs, steps, {}, path, title=title, layout=layout)
         except Exception as err:  # noqa: BLE001 - a plot must not stop training
             failed = True
             print(f"symattn: learning curves not drawn ({err}); training goes on",

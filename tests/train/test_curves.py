@@ -68,6 +68,26 @@ def test_epoch_plotter_draws_from_the_open_run_file(tmp_path):
     assert not list(tmp_path.glob(".*partial*"))  # written aside, then moved into place
 
 
+def test_epoch_plotter_fits_the_layout_once(tmp_path, monkeypatch):
+    """Redraws place the panels where the first redraw's fitted layout put them: the same
+    picture for the same metrics, the labels measured once."""
+    from matplotlib.figure import Figure
+
+    fits = []
+    fit = Figure.tight_layout
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *a, **k: fits.append(fit(self)))
+    run = RunFile.reopen(write_run(tmp_path / "run.h5"))
+    try:
+        draw = epoch_plotter(run, tmp_path / "live.png", title="live")
+        draw()
+        first = imread(tmp_path / "live.png")
+        draw()
+    finally:
+        run.close()
+    assert len(fits) == 1
+    np.testing.assert_array_equal(imread(tmp_path / "live.png"), first)
+
+
 def test_epoch_plotter_warns_once_and_lets_training_go_on(tmp_path, capsys):
     class Broken:
         calls = 0

@@ -139,6 +139,18 @@ def test_atomic_backwards_alert_under_deterministic_mode(deterministic_mode):
         alert_not_deterministic(what, gpu_device)
 
 
+def test_auto_takes_the_torch_core_on_cuda_under_strict_determinism(deterministic_mode):
+    """Under torch.use_deterministic_algorithms(True) ``auto`` runs the torch core on a GPU
+    (whose gathers' gradients torch sums deterministically); warn_only (the trainer's
+    setting) keeps the Triton kernels, which warn."""
+    deterministic_mode(warn_only=False)
+    assert core.backend_for("cuda") == "torch"
+    assert core.backend_for("cuda", grouped=False) == "torch"
+    assert core.backend_for("cuda", backend="triton_tiles") == "triton_tiles"  # by name
+    deterministic_mode(warn_only=True)
+    assert core.backend_for("cuda") == "triton_tiles"
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
 def test_each_backward_alerts_on_its_inputs_device(backend, device, monkeypatch):
     """Each Triton backward asks for the alert once, for the device its tensors are on."""
@@ -377,14 +389,17 @@ def test_gpu_layers_are_exactly_equivariant(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "triton_tiles"])
 def test_gpu_backward_refuses_deterministic_mode(backend, deterministic_mode):
-    """Under torch's deterministic mode a Triton backward on the GPU raises; the torch
-    backend, whose gathers' gradients torch sums deterministically there, runs."""
+    """Under torch's deterministic mode a Triton backward on the GPU raises; ``auto`` takes
+    the torch backend there, whose gathers' gradients torch sums deterministically, and
+    gives the same gradients twice."""
     form, shape = CASES[0]
     inputs = _on("cuda", _inputs(**_small(shape)))
     deterministic_mode(warn_only=False)
     with pytest.raises(RuntimeError, match="deterministic mode"):
         _run(factorised_attention, inputs, form, backend=backend)
-    _run(factorised_attention, inputs, form, backend="torch")
+    first = _run(factorised_attention, inputs, form, backend="auto")
+    for a, b in zip(first, _run(factorised_attention, inputs, form, backend="auto"), strict=True):
+        assert torch.equal(a, b)
 
 
 @gpu

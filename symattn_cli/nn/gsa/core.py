@@ -115,14 +115,19 @@ def backend_for(device, dtype=torch.float32, backend: str = "auto", grouped: boo
     """The backend a call on ``device`` with ``dtype`` runs: ``backend`` itself, or for
     ``"auto"`` on CUDA with Triton installed the tiled Triton kernel for a group layer
     (``grouped``: G or M > 1) and the one-query-a-program kernel for a lifting layer, the
-    faster of the two for each on a GPU (docs/benchmark.md); the fused CPU kernel where it
-    applies and is built; else ``"torch"``."""
+    faster of the two for each on a GPU (docs/benchmark.md), except under torch's strict
+    deterministic mode (``torch.use_deterministic_algorithms(True)`` without ``warn_only``),
+    where, as torch's own operations with a deterministic twin do, it takes ``"torch"``
+    (the Triton backwards' atomic adds would raise); the fused CPU kernel where it applies
+    and is built; else ``"torch"``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
     device = torch.device(device)
-    if device.type == "cuda" and triton.available():
+    strict = (torch.are_deterministic_algorithms_enabled()
+              and not torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    if device.type == "cuda" and triton.available() and not strict:
         return "triton_tiles" if grouped else "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.load():
         return "cpp"

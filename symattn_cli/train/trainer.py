@@ -67,20 +67,20 @@ def seed_everything(seed: int, *, deterministic: bool = True) -> None:
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
     if deterministic:
-        _deterministic_algorithms()
+        deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
 
 
-def _deterministic_algorithms() -> None:
-    """``torch.use_deterministic_algorithms(True, warn_only=True)``, which also sets the
+def deterministic_algorithms(mode: bool, *, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms(mode, warn_only=warn_only)``, which also sets the
     compiler's flag and so imports the compiler (seconds per process). symattn compiles
     nothing: unless the compiler is already loaded, only the eager flag is set."""
     if "torch._inductor.config" in sys.modules or not hasattr(
         torch._C, "_set_deterministic_algorithms"
     ):
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     else:
-        torch._C._set_deterministic_algorithms(True, warn_only=True)
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def resolve_device(name: str) -> torch.device:

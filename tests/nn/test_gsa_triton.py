@@ -103,22 +103,14 @@ def test_spatial_gradient_in_copies(backend, form, shape, device, monkeypatch):
 
 @pytest.fixture
 def deterministic_mode():
-    """``set(warn_only)`` turns torch's deterministic mode on for the test (without importing
-    the compiler, as the trainer does); the mode before is restored after it."""
+    """``set(warn_only)`` turns torch's deterministic mode on for the test (as the trainer
+    does); the mode before is restored after it."""
+    from symattn_cli.train.trainer import deterministic_algorithms
 
-    def put(mode: bool, warn_only: bool) -> None:
-        setter = getattr(torch._C, "_set_deterministic_algorithms", None)
-        if setter is None:
-            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        else:
-            setter(mode, warn_only=warn_only)
-
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    yield lambda warn_only: put(True, warn_only)
-    put(*before)
+    before = torch.are_deterministic_algorithms_enabled()
+    warned = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only: deterministic_algorithms(True, warn_only=warn_only)
+    deterministic_algorithms(before, warn_only=warned)
 
 
 def test_atomic_backwards_alert_under_deterministic_mode(deterministic_mode):

@@ -28,19 +28,28 @@ def gradient_copies(q: torch.Tensor, rho: torch.Tensor | None, sms: int | None =
     return max(1, min(sms, q.numel() // max(rho.numel(), 1)))
 
 
+def deterministic_mode() -> str:
+    """torch's deterministic mode: ``"off"``, ``"warn"`` (``warn_only=True``: an operation
+    without a deterministic implementation warns) or ``"strict"`` (it raises)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return "off"
+    return "warn" if torch.is_deterministic_algorithms_warn_only_enabled() else "strict"
+
+
 def alert_not_deterministic(what: str, device: torch.device) -> None:
     """Under ``torch.use_deterministic_algorithms(True)``, what torch does for its own
     operations without a deterministic implementation: raise, or warn with ``warn_only=True``.
     ``what`` is a Triton backward, whose atomic adds on a GPU sum in an order, and so to last
     bits, that vary from run to run; on the CPU (the interpreter) it runs programs in order."""
-    if device.type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+    mode = deterministic_mode()
+    if device.type != "cuda" or mode == "off":
         return
     message = (
         f"{what} sums gradients by atomic adds on the GPU, so their last bits vary from run to "
         "run under torch's deterministic mode; for reproducible gradients use "
         "model.attention_backend=torch (slower)"
     )
-    if torch.is_deterministic_algorithms_warn_only_enabled():
+    if mode == "warn":
         warnings.warn(message, UserWarning, stacklevel=2)
     else:
         raise RuntimeError(

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from symattn_cli.nn.gsa import cpp, triton, triton_tiles
-from symattn_cli.nn.gsa.common import DROP_STEPS
+from symattn_cli.nn.gsa.common import DROP_STEPS, deterministic_mode
 from symattn_cli.nn.gsa.torch import torch_attention
 
 FORMS = ("sum", "single")
@@ -125,9 +125,7 @@ def backend_for(device, dtype=torch.float32, backend: str = "auto", grouped: boo
     if backend != "auto":
         return backend
     device = torch.device(device)
-    strict = (torch.are_deterministic_algorithms_enabled()
-              and not torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
-    if device.type == "cuda" and triton.available() and not strict:
+    if device.type == "cuda" and triton.available() and deterministic_mode() != "strict":
         return "triton_tiles" if grouped else "triton"
     if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.load():
         return "cpp"

@@ -108,8 +108,8 @@ def plot_learning_curves(
 def epoch_plotter(run_file, path: Path, title: str = "") -> Callable[[], None]:
     """A callback for the trainer's ``on_epoch``: redraw ``path`` from the open run file
     after every epoch, so that a long run's curves can be looked at while it trains. The
-    panels keep the layout fitted at the first redraw (fitting it measures every label, a
-    third of a redraw). A plotting failure warns once and stops the redrawing; the run goes
+    panels keep the layout fitted at the first redraw, so that later redraws do not measure
+    every label again. A plotting failure warns once and stops the redrawing; the run goes
     on."""
     failed = False
     layout: dict[str, float] = {}

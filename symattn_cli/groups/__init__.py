@@ -65,5 +65,16 @@ def _build(canonical: str) -> Group:
 
 
 def get_group(name: str) -> Group:
-    """The (shared) group object for ``name``; aliases return the same object."""
+    """The (shared) :class:`Group` for ``name``; aliases return the same object.
+
+    Names: ``z2`` (identity only), ``z4`` (alias ``r4``), ``r8``, ``r12``, ``r16`` (rotations
+    by 360/n degrees), ``mirror`` (alias ``z2m``: the left-right flip), ``z4m`` (alias
+    ``r4m``), ``r8m`` (rotations and the flip). An unknown name is a ``ValueError`` listing
+    these. Elements exact on a pixel grid: every element of z2, z4, mirror and z4m; in r8,
+    r12, r16 and r8m the multiples of 90 degrees (and their flips in r8m).
+
+    Shapes (B batch, C channels, N = |H|, H/W height/width): the group acts on images
+    ``(..., H, W)`` by ``(L_g f)(x) = f(u^-1 (x - t))`` and on group features
+    ``(B, C, N, H, W)`` by ``(L_g f)(x, h) = f(u^-1 (x - t), u^-1 h)``.
+    """
     return _build(canonical_group_name(name))

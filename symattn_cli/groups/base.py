@@ -48,7 +48,28 @@ def grid_coordinates(height: int, width: int, dtype=torch.float64, device=None) 
 
 @dataclass(frozen=True, eq=True)
 class Group:
-    """The rotation group C_n (``reflection=False``) or dihedral group D_n (``True``)."""
+    """The rotation group C_n (``reflection=False``) or the dihedral group D_n (``True``), the
+    point group H of G = R^2 x| H.
+
+    Elements are indices ``e = s * n + k`` for ``u = R^k M^s`` (0 is the identity), with
+    R the turn by 360/n degrees and M the left-right flip; ``(k1, s1)(k2, s2) = (k1 + (-1)^s1
+    k2, s1 + s2)`` (:meth:`multiply`, :attr:`cayley`, :attr:`inverse`).
+
+    Shapes (B batch, C channels, N = |H| = :attr:`order`, H/W height/width):
+    :attr:`cayley` ``(N, N)``, :meth:`matrices` ``(N, 2, 2)``, :meth:`regular_permutation`
+    ``(N,)``; :meth:`act_on_image` takes and returns ``(..., H, W)``,
+    :meth:`act_on_group_function` ``(B, C, N, H, W)``.
+
+    Group action, for g = (t, u): on images ``(L_g f)(x) = f(u^-1 (x - t))``, on group
+    features ``(L_g f)(x, h) = f(u^-1 (x - t), u^-1 h)``, with t an integer shift applied
+    cyclically. On a pixel grid only the elements of :meth:`grid_exact_elements` act exactly
+    (multiples of 90 degrees, with or without the flip); the others raise
+    :class:`GridActionError` there and act exactly on point coordinates
+    (:meth:`act_on_coordinates`).
+
+    Options: ``name`` (a label); ``rotations`` n >= 1; ``reflection`` False (default) or
+    True. :func:`~symattn_cli.groups.get_group` returns the named, shared instances.
+    """
 
     name: str
     rotations: int

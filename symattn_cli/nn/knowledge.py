@@ -68,6 +68,11 @@ def rotate_embedding(
 ) -> nn.Module:
     """A deep copy of ``module`` with Q applied to every embedding-space parameter index.
 
+    Shapes (d embedding): ``q`` ``(d, d)`` orthogonal; each parameter keeps its shape, each
+    axis listed in its module's ``embedding_axes`` is multiplied by Q (:func:`rotate_axes`),
+    so a module of this file satisfies ``rotate_embedding(f, Q)(x Qᵀ) = f(x) Qᵀ`` for
+    sequences ``x`` ``(B, n, d)`` (Def. 3.2, in rows).
+
     ``include(name)`` (dotted parameter name) restricts the rotation to some parameters, e.g.
     the token embedding alone for the negative control. Every module that owns parameters
     must declare ``embedding_axes`` for each of them (an empty tuple: invariant, e.g. a
@@ -235,8 +240,12 @@ class Score(nn.Module):
 class QuadraticScore(Score):
     """s_ji = scale · y_jᵀ A y_i: the quadratic form of Eq. (3.2), YᵀAY in the paper.
 
-    ``init="attention"`` starts from A = [[0, I], [0, 0]] (Sec. 3.2), which makes
-    Z = [W_Qᵀ, W_Kᵀ] standard attention; A itself acts on knowledge coordinates: invariant.
+    Shapes (B batch, h heads, n tokens, k knowledge per head): y = ZᵀX ``(B, h, n, k)`` ->
+    scores ``(B, h, n, n)``; A ``(h, k, k)``. A acts on knowledge coordinates: invariant.
+
+    Options (keyword-only): ``heads`` h, ``knowledge`` k, ``scale`` (e.g. 1/√(k/2));
+    ``init``: ``"attention"`` (default, k even: A = [[0, I], [0, 0]] (Sec. 3.2), which makes
+    Z = [W_Qᵀ, W_Kᵀ] standard attention) or ``"random"``.
     """
 
     embedding_axes = {"form": ()}
@@ -341,7 +350,12 @@ def token_mask(mask: torch.Tensor, what: str) -> torch.Tensor:
 
 
 class SoftmaxNormalizer(nn.Module):
-    """a_ji = softmax over real keys i of s_ji (the paper's S_r, transposed into ``a``)."""
+    """a_ji = softmax over real keys i of s_ji (the paper's S_r, transposed into ``a``).
+
+    Shapes (B batch, h heads, n tokens, u keys): ``forward(scores, mask)``: scores
+    ``(B, h, n, u)`` and mask ``(B, u)`` or ``(B, n, u)`` (True: real key) -> ``(B, h, n, u)``.
+    Permuting the tokens permutes both axes alike; no options.
+    """
 
     def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep = broadcast_mask(mask)  # (B, 1, 1 or n, keys)
@@ -371,6 +385,11 @@ class ElementwiseNormalizer(nn.Module):
 
 class Coefficients(nn.Module):
     """g(ZᵀX) = normalizer(score(ZᵀX)): the simplified form's coefficients (Sec. 3.2–3.3).
+
+    Shapes (B batch, h heads, n tokens, k knowledge per head): invariants with y = ZᵀX
+    ``(B, h, n, k)`` -> weights a ``(B, h, n, n)``, a[..., j, i] the weight of key i in
+    query j. Options: ``score`` (e.g. :class:`QuadraticScore`) and ``normalizer`` (e.g.
+    :class:`SoftmaxNormalizer`), both modules.
 
     Satisfies g(Zᵀ(QX)) with Z → QZ unchanged (it sees ZᵀX only) and, with no position
     information, g(P·) = P g(·) Pᵀ on its two token axes. Parameter count independent of n
@@ -579,6 +598,18 @@ class PermutationCoefficients(nn.Module):
 class KnowledgeAttention(nn.Module):
     """Multi-head knowledge attention Σ_i W_i X g_i(Z_iᵀX) (Ma & Ying Eqs. 5.1, 5.3, Prop. 3.2).
 
+    Shapes (B batch, n tokens, d embedding, m external knowledge vectors; rows layout):
+    ``forward(x, mask=None, knowledge=None, buckets=None)``: ``x`` ``(B, n, d) -> (B, n, d)``;
+    ``mask`` ``(B, n)`` or ``(B, n, n)`` bool, ``knowledge`` ``(B, m, d)``, ``buckets``
+    ``(B, n, n)`` int64. Parameters (h heads, k learned knowledge, v value width): ``z``
+    ``(h, d, k)``, ``w_value`` ``(h, v, d)``, ``w_out`` ``(h, d, v)``.
+
+    Options (keyword-only): ``d_model`` d, ``heads`` h, ``knowledge`` k >= 0 and
+    ``value_dim`` v (integers; k + ``external`` >= 1); ``coefficients``: the g, e.g.
+    ``Coefficients(QuadraticScore(...), SoftmaxNormalizer())`` for softmax attention;
+    ``external`` m (default 0); ``init_scale`` of Z (default 1.0); ``relative``: buckets
+    of a learned score term (default 0: none).
+
     One core for every form: ``coefficients`` is the g (a :class:`Coefficients`,
     :class:`GeneralCoefficients` or :class:`PermutationCoefficients`). W_i = W_out,i W_V,i
     (d×v)(v×d) is the per-head change of embedding (5.1). Knowledge per head is
@@ -683,7 +714,9 @@ class KnowledgeAttention(nn.Module):
 class ScalarRMSNorm(nn.Module):
     """x / rms(x) · γ with one scalar γ: rotation equivariant, N(xQᵀ) = N(x)Qᵀ.
 
-    LayerNorm is not: its per-coordinate mean and gains single out the basis.
+    Shapes (B batch, n tokens, d embedding): ``(B, n, d) -> (B, n, d)``, rms over d.
+    LayerNorm is not equivariant: its per-coordinate mean and gains single out the basis.
+    Options: ``eps`` added to the mean square (default 1e-6).
     """
 
     embedding_axes = {"gain": ()}
@@ -701,7 +734,10 @@ class ScalarRMSNorm(nn.Module):
 class PositionwiseMLP(nn.Module):
     """V σ(U x + b) + c on each token (Ma & Ying Eq. 5.2); law: (QV, UQᵀ, b, Qc).
 
-    U (H, d) has its embedding index on axis 1, V (d, H) and c (d,) on axis 0.
+    Shapes (B batch, n tokens, d embedding, H hidden): ``(B, n, d) -> (B, n, d)``.
+    U (H, d) has its embedding index on axis 1, V (d, H) and c (d,) on axis 0, so with
+    those moved by Q the map satisfies f(x Qᵀ) = f(x) Qᵀ for every orthogonal Q.
+    Options (keyword-only): ``d_model`` d, ``hidden`` H, ``activation`` σ (a callable).
     """
 
     embedding_axes = {"u": (1,), "b": (), "v": (0,), "c": (0,)}
@@ -722,9 +758,16 @@ class PositionwiseMLP(nn.Module):
 class KnowledgeBlock(nn.Module):
     """h ← h + A(N(h)); h ← h + M(N(h)): one stacked layer of Sec. 5 with residual links.
 
-    A is a :class:`KnowledgeAttention`, M an optional :class:`PositionwiseMLP`, N a scalar
-    RMS norm (``norm=None`` for none). Equivariant with knowledge and permutation
-    equivariant because each part is.
+    Shapes (B batch, n tokens, d embedding, m external knowledge vectors):
+    ``forward(x, mask=None, knowledge=None, buckets=None)``: ``(B, n, d) -> (B, n, d)``, the
+    other arguments as :meth:`KnowledgeAttention.forward`.
+
+    Law: equivariant with knowledge, ``rotate_embedding(block, Q)(x Qᵀ) = block(x) Qᵀ`` for
+    every orthogonal Q, and permutation equivariant in the tokens, because each part is.
+
+    Options (keyword-only): ``attention`` A, a :class:`KnowledgeAttention`; ``mlp`` M, a
+    :class:`PositionwiseMLP` or None; ``norm`` N, a factory of the norm (default
+    :class:`ScalarRMSNorm`; None for none); ``residual`` (default True; False: h ← A(N(h))).
     """
 
     embedding_axes: dict[str, tuple[int, ...]] = {}

@@ -76,11 +76,51 @@ POSITION_KINDS = ("relative", "none")
 
 
 class GroupSelfAttention(nn.Module):
-    """Multi-head local (P x P) or global lifting / group self-attention on ``G = R^2 x| H``.
+    """Multi-head group self-attention on ``G = R^2 x| H``, local (P x P) or global (GSA-Nets
+    Eq. 15-16).
 
-    ``lifting=True``: ``(B, C_in, H, W) -> (B, C_out, N, H, W)`` (GSA-Nets Eq. 13-14).
-    ``lifting=False``: ``(B, C_in, N, H, W) -> (B, C_out, N, H, W)`` (Eq. 15-16, or the
-    single-query form). ``patch_size=None`` attends globally.
+    For output pixel x_i and group element v, with per-head 1x1 maps q, k, val of the input f
+    and j over the P x P neighbourhood of x_i (every pixel when global):
+        out(x_i, v) = W_out sum_g sum_(j, m) softmax_(j, m)(q(x_i, g) . (k(x_j, m)
+                      + rho(v, g, j, m)) / sqrt(d)) val(x_j, m),
+        rho = [rho_xy(v^-1 (x_j - x_i)), rho_H[idx(v, g, m)]]
+    (heads concatenated before W_out; ``query_form="single"`` keeps only the term g = v).
+
+    Shapes (B batch, C channels, N = |H|, H/W height/width, I points):
+        ``forward(x, crop=0)``: ``(B, C_in, N, H, W) -> (B, C_out, N, H - 2 crop, W - 2 crop)``;
+        with ``lifting=True`` (see :class:`LiftingSelfAttention`): ``(B, C_in, H, W) ->
+        (B, C_out, N, H, W)``.
+        ``forward_points(x, coords)`` (global layers): ``(B, C_in, N, I)`` with ``coords``
+        ``(I, 2)`` -> ``(B, C_out, N, I)``.
+
+    Group action: ``layer(L_g f) = L_g layer(f)`` with ``(L_g f)(x, h) = f(u^-1 (x - t),
+    u^-1 h)`` for g = (t, u) on input and output. Exact up to rounding for every u that maps
+    the pixel grid onto itself (quarter turns and the flip: ``group.grid_exact_elements()``;
+    quarter turns need square maps), and for translations when no neighbourhood crosses the
+    border. Every u in H (45 degrees for r8) is exact in ``forward_points``, where the points'
+    coordinates are rotated instead of the pixels.
+
+    Options (keyword-only):
+        ``group``: a :class:`~symattn_cli.groups.Group` (``get_group(name)``).
+        ``in_channels``, ``out_channels``, ``heads``: positive integers.
+        ``head_dim``: channels per head; None (default) is ``max(out_channels // 2, 1)``.
+        ``patch_size``: an odd side P for P x P local attention (default 5); None: global.
+        ``query_form``: ``"sum"`` (default, Eq. 16) or ``"single"`` (g = v only, N times
+        cheaper, same law).
+        ``group_index``: ``"gevit"`` (default) or ``"pair"``: exact and not blind to the
+        group axis; ``"relative"``: exact but blind in the sum form; ``"shifted"``: not
+        equivariant, a negative control.
+        ``position``: ``"relative"`` (default: rho_xy, an MLP on continuous offsets) or
+        ``"none"``; ``position_hidden``: that MLP's width (default 16); ``max_offset``: the
+        scale of its offsets, None (default) for the patch radius, or the longest offset
+        when global.
+        ``attention_dropout``: a probability (default 0.0).
+        ``attention_backend``: ``"auto"`` (default), ``"cpp"``, ``"triton"``,
+        ``"triton_tiles"``, ``"torch"`` or ``"dense"`` (the reference): one function,
+        different kernels.
+        ``checkpointing``: recompute the attention in the backward (default True);
+        ``chunk_elements``: numbers per chunk of the torch backend, 0 (default) automatic.
+        ``lifting``: False (default); True makes the lifting layer.
     """
 
     def __init__(
@@ -441,9 +481,64 @@ def neighbourhoods(tops: torch.Tensor, lefts: torch.Tensor, p: int, height: int,
     return index.reshape(-1, p * p), inside.reshape(-1, p * p)
 
 
-def lifting_self_attention(**kwargs) -> GroupSelfAttention:
-    """Lifting layer ``(B, C, H, W) -> (B, C', N, H, W)`` (GSA-Nets Eq. 14)."""
-    return GroupSelfAttention(lifting=True, **kwargs)
+class LiftingSelfAttention(GroupSelfAttention):
+    """Multi-head lifting self-attention: images to group features (GSA-Nets Eq. 13-14).
+
+    For output pixel x_i and group element v, with per-head 1x1 maps q, k, val of the image f
+    and j over the P x P neighbourhood of x_i (every pixel when global):
+        out(x_i, v) = W_out sum_j softmax_j(q(x_i) . (k(x_j) + rho_xy(v^-1 (x_j - x_i)))
+                      / sqrt(d)) val(x_j)
+    (heads concatenated before W_out): one attention per group element v, which sees the
+    neighbourhood through the spatial encoding turned by v^-1.
+
+    Shapes (B batch, C channels, N = |H|, H/W height/width, I points):
+        ``forward(x, crop=0)``: ``(B, C_in, H, W) -> (B, C_out, N, H - 2 crop, W - 2 crop)``.
+        ``forward_points(x, coords)`` (global layers): ``(B, C_in, I)`` with ``coords``
+        ``(I, 2)`` -> ``(B, C_out, N, I)``.
+
+    Group action: the input is an image, ``(L_g f)(x) = f(u^-1 (x - t))``, the output group
+    features, ``(L_g o)(x, h) = o(u^-1 (x - t), u^-1 h)``: ``layer(L_g f) = L_g layer(f)``.
+    Exact up to rounding for every u that maps the pixel grid onto itself (quarter turns and
+    the flip, on square maps for quarter turns), and for translations when no neighbourhood
+    crosses the border; every u in H in ``forward_points``.
+
+    Options (keyword-only), as :class:`GroupSelfAttention`: ``group``, ``in_channels``,
+    ``out_channels``, ``heads``; ``head_dim`` (None: ``max(out_channels // 2, 1)``),
+    ``patch_size`` (odd P, default 5; None: global), ``attention_dropout`` (0.0),
+    ``position`` (``"relative"`` or ``"none"``), ``position_hidden`` (16), ``max_offset``
+    (None), ``attention_backend`` (``"auto"``), ``checkpointing`` (True), ``chunk_elements``
+    (0). There is no group axis in the input, so no ``query_form`` or ``group_index``.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        in_channels: int,
+        out_channels: int,
+        heads: int,
+        head_dim: int | None = None,
+        patch_size: int | None = 5,
+        attention_dropout: float = 0.0,
+        position: str = "relative",
+        position_hidden: int = 16,
+        max_offset: float | None = None,
+        checkpointing: bool = True,
+        chunk_elements: int = 0,
+        attention_backend: str = "auto",
+    ) -> None:
+        super().__init__(
+            group=group, in_channels=in_channels, out_channels=out_channels, heads=heads,
+            head_dim=head_dim, patch_size=patch_size, lifting=True,
+            attention_dropout=attention_dropout, position=position,
+            position_hidden=position_hidden, max_offset=max_offset, checkpointing=checkpointing,
+            chunk_elements=chunk_elements, attention_backend=attention_backend,
+        )  # fmt: skip
+
+
+def lifting_self_attention(**kwargs) -> LiftingSelfAttention:
+    """:class:`LiftingSelfAttention`: ``(B, C, H, W) -> (B, C', N, H, W)`` (GSA-Nets Eq. 14)."""
+    return LiftingSelfAttention(**kwargs)
 
 
 def group_self_attention(**kwargs) -> GroupSelfAttention:

@@ -356,20 +356,24 @@ def summarize_times(times: list[float], cpu: list[float] | None = None) -> dict[
     return out
 
 
-def count_flops(step: Callable[[], None], module: Any) -> int:
-    """Matrix-product and convolution FLOPs of one step, without activation recomputation.
+def count_flops(step: Callable[[], None]) -> int:
+    """Matrix-product and convolution FLOPs of one ``step``, without activation recomputation.
 
-    The counter sees tensor operations, not the inside of a fused kernel: attention layers
-    run their plain PyTorch backend while counting (the same algorithm, the same products),
-    without recomputation. A FLOP count depends on shapes only, so the floating-point
-    tensors autograd saves for the backward are kept as their shapes and handed back as
-    zeros (integer ones, such as gather indices, are kept): the count's peak memory is one
-    operation's, not the whole forward's, which a global layer would not fit. A warm-up step
-    runs first, uncounted, as before a timing: a layer's one-time work (its kept geometry) is
-    not part of a step.
+    The counter sees tensor operations, not the inside of a fused kernel: the attention core
+    runs its plain PyTorch backend while counting (the same algorithm, the same products),
+    without recomputation, whatever backend the layers ask for (the dispatcher's
+    :func:`~symattn_cli.nn.gsa.core.overriding`; a layer on the reference algorithm,
+    ``attention_backend="dense"``, is plain PyTorch and is counted as it runs). A FLOP count
+    depends on shapes only, so the floating-point tensors autograd saves for the backward are
+    kept as their shapes and handed back as zeros (integer ones, such as gather indices, are
+    kept): the count's peak memory is one operation's, not the whole forward's, which a
+    global layer would not fit. A warm-up step runs first, uncounted, as before a timing: a
+    layer's one-time work (its kept geometry) is not part of a step.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    from symattn_cli.nn.gsa.core import overriding
 
     def pack(tensor):
         if not tensor.is_floating_point():
@@ -383,17 +387,10 @@ def count_flops(step: Callable[[], None], module: Any) -> int:
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
     step()  # warm-up, on the layers' own backends
-    layers = [m for m in module.modules() if hasattr(m, "attention_backend")]
-    saved = [(m.attention_backend, m.checkpointing) for m in layers]
-    for m in layers:
-        m.attention_backend, m.checkpointing = "torch", False
-    try:
+    with overriding("torch", recompute=False):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             with FlopCounterMode(display=False) as counter:
                 step()
-    finally:
-        for m, (backend, checkpointing) in zip(layers, saved, strict=True):
-            m.attention_backend, m.checkpointing = backend, checkpointing
     return int(counter.get_total_flops())
 
 
@@ -486,7 +483,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     if settings.count_flops and case.kind != "authors":  # theirs: time and memory only
         for mode in settings.modes:
             try:  # without recomputation a big case may not fit: keep its timings anyway
-                flops = count_flops(_step_fn(module, x, loss_fn, mode), module)
+                flops = count_flops(_step_fn(module, x, loss_fn, mode))
             except (MemoryError, RuntimeError) as err:  # CUDA OOM is a RuntimeError
                 row["flops_error"] = str(err).splitlines()[0] if str(err) else type(err).__name__
                 continue

@@ -112,35 +112,27 @@ class Call:
 
 def attention_calls(case) -> list[Call]:
     """The attention core's calls in one training-mode forward of ``case`` (a benchmark
-    :class:`~symattn_cli.bench.measure.Case`, resolved) on the CPU; the core itself is not run
-    (zeros stand in for its output)."""
+    :class:`~symattn_cli.bench.measure.Case`, resolved) on the CPU, read by the dispatcher's
+    recorder (:func:`~symattn_cli.nn.gsa.core.recording`); the core itself is not run (zeros
+    stand in for its output)."""
     import torch
 
     from symattn_cli.bench.measure import build_case
-    from symattn_cli.nn.gsa import layer as gsa_layer
+    from symattn_cli.nn.gsa import core
 
     module, x, _ = build_case(case, "cpu")
     module.train()
-    calls: list[Call] = []
-
-    def record(q, k, v, group_rho, rho, offsets, neighbour, valid, *, form, n, drop=0.0,
-               group_index=None, **_):  # fmt: skip
-        if group_rho is not None and group_index is not None:  # the encoding the index reads
-            group_rho = group_rho[group_index]
-        kind = "lifting" if q.shape[2] == 1 and k.shape[2] == 1 else f"group {form}"
+    with torch.no_grad(), core.recording(run=False) as recorded:
+        module(x)
+    calls = []
+    for number, call in enumerate(recorded, 1):
+        q, k = call.q, call.k
+        kind = "lifting" if q.shape[2] == 1 and k.shape[2] == 1 else f"group {call.form}"
         side = math.isqrt(q.shape[1])
         where = f"{side}x{side}" if side * side == q.shape[1] else f"{q.shape[1]} points"
-        calls.append(Call(f"{len(calls) + 1} {kind} {where}", q, k, v, group_rho, rho, offsets,
-                          neighbour, valid, form, n, drop))  # fmt: skip
-        return q.new_zeros(q.shape[0], q.shape[1], n, q.shape[3])
-
-    original = gsa_layer.factorised_attention
-    gsa_layer.factorised_attention = record
-    try:
-        with torch.no_grad():
-            module(x)
-    finally:
-        gsa_layer.factorised_attention = original
+        calls.append(Call(f"{number} {kind} {where}", q, k, call.v, call.encoding, call.rho,
+                          call.offsets, call.neighbour, call.valid, call.form, call.n,
+                          call.drop))  # fmt: skip
     return calls
 
 
@@ -165,7 +157,9 @@ KERNELS = ("triton", "triton_tiles")  # the attention backends with Triton kerne
 def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
     """Each Triton backend's launcher (``symattn_cli/nn/gsa/<backend>.py``) at git ``revision``
     of this checkout, with its kernel module (``<backend>_kernel.py``) of that revision in
-    place of today's: copies written into ``directory`` and imported from there."""
+    place of today's: copies written into ``directory`` and imported from there. The
+    launcher's copy imports the kernel module's copy (its ``kernels()`` import line is
+    written so) rather than today's."""
     import importlib.util
     import sys
 
@@ -174,7 +168,6 @@ def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
     package = Path(__file__).resolve().parents[1] / "nn" / "gsa"
     loaded = {}
     for backend in KERNELS:
-        modules = {}
         for name in (f"{backend}_kernel", backend):
             try:
                 path = copy_at(package / f"{name}.py", revision, directory)
@@ -183,15 +176,27 @@ def baseline_launchers(revision: str, directory: Path) -> dict[str, ModuleType]:
                     f"kernel_baseline={revision!r}: no {name}.py at that revision of this "
                     f"checkout ({err}); give a commit such as HEAD~1"
                 ) from None
+            if name == backend:
+                _import_copied_kernels(path, backend, revision)
             spec = importlib.util.spec_from_file_location(f"symattn_baseline_{name}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # Triton reads the kernels' source through it
             spec.loader.exec_module(module)
-            modules[name] = module
-        kernel = modules[f"{backend}_kernel"]
-        modules[backend].kernels = lambda kernel=kernel: kernel
-        loaded[backend] = modules[backend]
+        loaded[backend] = module
     return loaded
+
+
+def _import_copied_kernels(launcher: Path, backend: str, revision: str) -> None:
+    """Point the copied launcher's import of its kernel module at the copied kernel module
+    (``symattn_baseline_<backend>_kernel``, imported first), line for line."""
+    pattern = re.compile(rf"^([ \t]*)from symattn_cli\.nn\.gsa import ({backend}_kernel)[ \t]*$",
+                         re.MULTILINE)  # fmt: skip
+    text, found = pattern.subn(r"\1import symattn_baseline_\2 as \2", launcher.read_text())
+    if not found:
+        raise ConfigError(f"kernel_baseline={revision!r}: its {backend}.py does not import "
+                          f"its kernels as 'from symattn_cli.nn.gsa import {backend}_kernel'; "
+                          "give a later commit")  # fmt: skip
+    launcher.write_text(text)
 
 
 def launches(call: Call, backend: str = "triton", sms: int = 1,

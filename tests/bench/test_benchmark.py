@@ -223,12 +223,14 @@ def test_in_process_cases_keep_the_thread_budget():
 
 
 def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
-    """The counter cannot see inside the fused kernel: attention layers are counted on their
-    torch backend (the same algorithm), whatever backend they run and however many threads;
-    the layer's own backend is restored afterwards."""
+    """The counter cannot see inside the fused kernel: the attention core is counted on its
+    torch backend without recomputation (the same algorithm), whatever backend the layers run
+    and however many threads; the warm-up step runs on the layer's own backend, and the
+    layer is left as it was."""
     import torch
 
     from symattn_cli.bench.measure import build_case, count_flops
+    from symattn_cli.nn.gsa.core import backend_for, recording
 
     case = Case(kind="layer", name="gsa", group="r8", patch_size=5, image_size=12, batch=2)
     module, x, loss = build_case(case, torch.device("cpu"))
@@ -236,13 +238,16 @@ def test_flop_count_counts_the_attention_arithmetic_whatever_the_backend():
     def step():
         loss(module(x)).backward()
 
-    with threads(1):
-        serial = count_flops(step, module)
-    assert module.attention_backend == "auto"
+    with threads(1), recording() as calls:
+        serial = count_flops(step)
+    assert [(c.backend, c.recompute) for c in calls] == [
+        (backend_for("cpu", torch.float32), True), ("torch", False)
+    ]  # fmt: skip
+    assert module.attention_backend == "auto" and module.checkpointing
     with threads(2):
-        assert count_flops(step, module) == serial > 0
+        assert count_flops(step) == serial > 0
         module.attention_backend = "torch"
-        assert count_flops(step, module) == serial
+        assert count_flops(step) == serial
 
 
 def test_flop_count_keeps_saved_tensors_as_shapes_and_counts_the_same():
@@ -256,18 +261,35 @@ def test_flop_count_keeps_saved_tensors_as_shapes_and_counts_the_same():
 
     from symattn_cli.bench.measure import _step_fn, build_case, count_flops
     from symattn_cli.bench.suite import gsa_layer, gsa_model
+    from symattn_cli.nn.gsa.core import overriding
 
     pair = replace(gsa_layer("r8", "sum", patch=None, side=4, batch=1), group_index="pair")
     for case in (pair, gsa_model("z2", batch=1, patch=3)):
         module, x, loss = build_case(case, torch.device("cpu"))
-        for m in module.modules():
-            if hasattr(m, "attention_backend"):
-                m.attention_backend, m.checkpointing = "torch", False
         _step_fn(module, x, loss, "train")()  # warm-up: the layers' geometry is built once
-        with FlopCounterMode(display=False) as plain:
+        with overriding("torch", recompute=False), FlopCounterMode(display=False) as plain:
             _step_fn(module, x, loss, "train")()
-        counted = count_flops(_step_fn(module, x, loss, "train"), module)
+        counted = count_flops(_step_fn(module, x, loss, "train"))
         assert counted == plain.get_total_flops() > 0
+
+
+def test_flop_count_of_the_reference_algorithm_counts_what_it_runs():
+    """A layer on the reference algorithm (``attention_backend=dense``) does not call the
+    core: it is plain PyTorch and counted as it runs, not as the factorised algorithm."""
+    from dataclasses import replace
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symattn_cli.bench.measure import _step_fn, build_case, count_flops
+    from symattn_cli.bench.suite import gsa_layer
+
+    dense = replace(gsa_layer("r4", "sum", patch=3, side=6, batch=1), attention_backend="dense")
+    module, x, loss = build_case(dense, torch.device("cpu"))
+    _step_fn(module, x, loss, "train")()
+    with FlopCounterMode(display=False) as plain:
+        _step_fn(module, x, loss, "train")()
+    assert count_flops(_step_fn(module, x, loss, "train")) == plain.get_total_flops() > 0
 
 
 def test_measure_case_runs_the_attention_backend_asked_for():

@@ -64,10 +64,20 @@ values, and none imports it:
 :func:`~symattn_cli.nn.gsa.dense.dense_attention` (:mod:`.dense`) is the reference algorithm
 (full logits, autograd), the test oracle. :mod:`.common` holds the dropout mask and the spatial
 table lookup that every backend shares.
+
+Measuring code reads and steers the dispatcher through two context managers instead of
+replacing its functions or the layers' attributes: :func:`recording` hands over each call
+(:class:`AttentionCall`: the backend that runs it, its arguments), and :func:`overriding`
+makes the calls in its block run another backend or recompute setting. Neither costs more
+than one context-variable read per call when none is active.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -144,6 +154,123 @@ def attention_backends(model: Any, device) -> str:
     return ",".join(sorted(backends))
 
 
+# ---------------------------------------------------------------- hooks for measuring
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of the attention core, as :func:`factorised_attention` received it (after
+    autocast's widening to float32, where autocast is on) and before it runs.
+
+    ``backend``: the backend that runs it (auto's choice made, an :func:`overriding` applied);
+    ``q`` ``(Z, L, G, d)`` (scaled), ``k``, ``v`` ``(Z, Lkv, M, d)``; ``group_rho`` ``(G, M,
+    c)``, ``(V, G, M, c)``, or with ``group_index`` ``(G, M)`` / ``(V, G, M)`` the embedding
+    table ``(R, c)`` (:attr:`encoding` gives the encoding either way), or None; ``rho`` ``(V,
+    D, e)`` or None; ``offsets`` ``(L, J)`` or None; ``neighbour`` ``(L, J)``; ``valid`` ``(L,
+    J)`` or None; ``form``, ``n`` = V, ``drop`` as given (before rounding to a multiple of
+    2^-15), ``chunk``, and ``recompute`` after an :func:`overriding`. The tensors are the
+    call's own, not copies."""
+
+    backend: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    group_rho: torch.Tensor | None
+    rho: torch.Tensor | None
+    offsets: torch.Tensor | None
+    neighbour: torch.Tensor
+    valid: torch.Tensor | None
+    form: str
+    n: int
+    drop: float
+    chunk: int
+    recompute: bool
+    group_index: torch.Tensor | None
+
+    @property
+    def encoding(self) -> torch.Tensor | None:
+        """The group encoding ``(G, M, c)`` or ``(V, G, M, c)``: ``group_rho`` read at
+        ``group_index`` when the call gave an index, else ``group_rho`` itself (or None)."""
+        if self.group_rho is not None and self.group_index is not None:
+            return self.group_rho[self.group_index]
+        return self.group_rho
+
+
+@dataclass(frozen=True)
+class _Hooks:
+    """What the active :func:`recording` and :func:`overriding` blocks ask of each call."""
+
+    recorders: tuple[Callable[[AttentionCall], None], ...] = ()
+    run: bool = True  # False: zeros stand in for the output
+    backend: str | None = None  # None: the caller's
+    recompute: bool | None = None  # None: the caller's
+
+
+# One value per thread (and per asyncio task): a block sees the calls made in its own thread.
+# None when no block is active, so that a call pays a single read.
+_HOOKS: ContextVar[_Hooks | None] = ContextVar("symattn_attention_hooks", default=None)
+
+
+@contextlib.contextmanager
+def _hooked(**changes: Any) -> Iterator[None]:
+    token = _HOOKS.set(replace(_HOOKS.get() or _Hooks(), **changes))
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
+
+
+@contextlib.contextmanager
+def recording(
+    callback: Callable[[AttentionCall], None] | None = None, *, run: bool = True
+) -> Iterator[list[AttentionCall]]:
+    """Record the attention core's calls made in this thread inside the block.
+
+    Yields a list that receives one :class:`AttentionCall` per call of
+    :func:`factorised_attention`, in the order the calls are made (a model's attention
+    layers in the order its forward runs them), each appended as the call starts, before the
+    backend runs; ``callback``, if given, is also called with each. The torch backend's
+    recomputation in the backward is not a call of the core and is not recorded.
+
+    ``run=False``: the backend is not run: zeros ``(Z, L, V, d)`` of q's dtype stand in for
+    the output, and no dropout seed is drawn (torch's generator is left as it was); for
+    reading the calls' sizes without their cost.
+
+    Blocks nest: every active recording sees each call (the outer one's callback first), and
+    the core is skipped while any of them has ``run=False``. Leaving the block, also by an
+    exception, restores what was active before. Calls made in other threads are not
+    recorded (the state lives in a context variable)."""
+    calls: list[AttentionCall] = []
+
+    def record(call: AttentionCall) -> None:
+        calls.append(call)
+        if callback is not None:
+            callback(call)
+
+    hooks = _HOOKS.get() or _Hooks()
+    with _hooked(recorders=(*hooks.recorders, record), run=hooks.run and run):
+        yield calls
+
+
+@contextlib.contextmanager
+def overriding(backend: str | None = None, *, recompute: bool | None = None) -> Iterator[None]:
+    """Run the attention core's calls made in this thread inside the block on ``backend``
+    (one of :data:`BACKENDS`; ``"auto"`` chooses per call as :func:`backend_for` does) and
+    with ``recompute`` (the torch backend's recomputation in the backward), whatever the
+    caller (a layer's ``attention_backend`` and ``checkpointing``) asked for; None keeps the
+    caller's (or an enclosing block's) choice. A layer with ``attention_backend="dense"``
+    does not call the core and runs the reference algorithm still. Leaving the block, also by
+    an exception, restores what was active before."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}; choose one of {BACKENDS}")
+    hooks = _HOOKS.get() or _Hooks()
+    with _hooked(
+        backend=hooks.backend if backend is None else backend,
+        recompute=hooks.recompute if recompute is None else recompute,
+    ):
+        yield
+
+
 def factorised_attention(
     q, k, v, group_rho, rho, offsets, neighbour, valid, *, form: str, n: int,
     drop: float = 0.0, chunk: int = 64, recompute: bool = True, backend: str = "auto",
@@ -163,6 +290,8 @@ def factorised_attention(
     rate (a multiple of 2^-15 after rounding; the output is rescaled by 1 / (1 - drop));
     ``chunk`` queries per chunk of the torch backend, and ``recompute`` whether it recomputes
     them in the backward (the fused kernels always do); ``backend`` one of :data:`BACKENDS`.
+    An :func:`overriding` block replaces ``backend`` and ``recompute``; a :func:`recording`
+    block receives the call.
 
     Under autocast (mixed precision) the core runs in float32, forward and backward. The output
     is float32; the maps around it keep autocast.
@@ -178,12 +307,24 @@ def factorised_attention(
                 q, k, v, group_rho, rho, offsets, neighbour, valid, form=form, n=n, drop=drop,
                 chunk=chunk, recompute=recompute, backend=backend, group_index=group_index,
             )  # fmt: skip
+    hooks = _HOOKS.get()
+    if hooks is not None:  # a recording or overriding block is active
+        backend = hooks.backend or backend
+        recompute = recompute if hooks.recompute is None else hooks.recompute
+    which = backend_for(q.device, q.dtype, backend, grouped=q.shape[2] > 1 or k.shape[2] > 1)
+    if hooks is not None:
+        if hooks.recorders:
+            call = AttentionCall(which, q, k, v, group_rho, rho, offsets, neighbour, valid,
+                                 form, n, drop, chunk, recompute, group_index)  # fmt: skip
+            for record in hooks.recorders:
+                record(call)
+        if not hooks.run:
+            return q.new_zeros(q.shape[0], q.shape[1], n, q.shape[3])
     threshold = round(drop * DROP_STEPS)
     drop = threshold / DROP_STEPS
     # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
     seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
     single = form == "single"
-    which = backend_for(q.device, q.dtype, backend, grouped=q.shape[2] > 1 or k.shape[2] > 1)
     if which == "cpp":  # the kernel gathers the group logits from a table and an index
         if group_rho is not None and group_index is None:  # every (v, g, m) its own row
             group_index = torch.arange(group_rho[..., 0].numel()).view(group_rho.shape[:-1])

@@ -20,6 +20,7 @@ from torch import nn
 from symattn_cli.data.base import DataSpec
 from symattn_cli.groups import Group, get_group
 from symattn_cli.models.cnn import check_layers, check_pools
+from symattn_cli.nn.pooling import GroupPool
 
 
 def _check_grid_group(group: Group) -> None:
@@ -110,10 +111,11 @@ class GroupCNN(nn.Module):
             width = out
         self.features = nn.Sequential(*layers)
         self.head = nn.Conv3d(width, num_classes, 1)
+        self.pool = GroupPool(reduction="max", spatial="mean")  # (B, K, N, H', W') -> (B, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.head(self.features(x))  # (B, K, N, H', W')
-        return h.mean(dim=(-2, -1)).amax(dim=-1)  # (B, K): invariant logits
+        return self.pool(h)  # (B, K): invariant logits
 
 
 def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:

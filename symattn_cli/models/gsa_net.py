@@ -24,6 +24,7 @@ from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
 from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
 from symattn_cli.nn.pointwise import Pointwise3d
+from symattn_cli.nn.pooling import GroupPool
 from symattn_cli.nn.positional import Swish
 
 # Paper / reference architectures (GSA-Nets App. F); the crops of "pcam" differ from the
@@ -204,6 +205,7 @@ class GSANet(nn.Module):
                     layers.append(nn.Dropout(pool_dropout))
         self.blocks = nn.Sequential(*layers)
         self.head = Pointwise3d(width, num_classes)
+        self.pool = GroupPool(reduction="max", spatial="mean")  # (B, K, N, H', W') -> (B, K)
         self._init_weights(init_gain)
 
     def _init_weights(self, gain: float) -> None:
@@ -253,7 +255,7 @@ class GSANet(nn.Module):
         x = self.input_dropout(self.input_pool(x))  # (B, C_in, H, W)
         h = self.lifting_norm(self.lifting(x))  # (B, C, N, H, W)
         h = self.head(self.blocks(h))  # (B, K, N, H', W')
-        return h.mean(dim=(-2, -1)).amax(dim=-1)  # (B, K): invariant logits
+        return self.pool(h)  # (B, K): invariant logits
 
 
 def resolve_arch(options: dict[str, Any], spec: DataSpec) -> str:

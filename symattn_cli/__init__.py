@@ -15,16 +15,18 @@ from symattn_cli.version import __version__
 __all__ = ["__version__", "create_model", "get_group", "list_models"]
 
 
-def create_model(name: str, **overrides: Any):
-    """Build the model that ``symattn train model=<name>`` trains, as a ``torch.nn.Module``.
+def create_model(name: str, data: str | None = None, **overrides: Any):
+    """Build the model that ``symattn train model=<name> data=<data>`` trains, as a
+    ``torch.nn.Module``.
 
     ``overrides`` replace keys of the model config (``create_model("r8_sa", heads=3)``); the
-    data-dependent sizes (input channels, classes, vocabulary) default to the model's natural
-    dataset and can be overridden the same way (``num_classes=2``).
+    data's facts (input channels, classes, vocabulary) come from ``data`` (default:
+    ``rotmnist_mini`` for image models, ``arithmetic`` for sequence models) and can be
+    overridden the same way (``num_classes=2``).
     """
-    from symattn_cli.models.registry import create_model as _create_model
+    from symattn_cli.models.instantiate import create_model as _create_model
 
-    return _create_model(name, **overrides)
+    return _create_model(name, data, **overrides)
 
 
 def list_models() -> list[str]:

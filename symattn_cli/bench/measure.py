@@ -90,6 +90,8 @@ class Case:
     )
     attention_backend: str = "auto"  # GSA layers and nets: the attention core's backend
     overrides: dict[str, Any] = field(default_factory=dict)
+    # models: config folders besides the shipped ones (a user's --config-dir), file://<dir>
+    search_path: list[str] = field(default_factory=list)
 
     @property
     def form(self) -> str:
@@ -147,6 +149,28 @@ class Settings:
 # ---------------------------------------------------------------- building a case
 
 
+def model_case(
+    name: str, image_size: int, overrides: dict[str, Any], search_path: list[str] = ()
+) -> tuple[Any, int, int]:
+    """``(model, in_channels, num_classes)`` of ``model=<name>`` (a shipped config or one on
+    the command line's ``--config-dir``) on its natural data, at ``image_size``."""
+    from omegaconf import open_dict
+
+    from symattn_cli.errors import ConfigError
+    from symattn_cli.models.instantiate import build_model, compose
+
+    cfg = compose(name, search_path=search_path, **overrides)
+    if cfg.data.task != "classify":
+        raise ConfigError(
+            f"models=[{name}]: the benchmark times image classifiers; {name} reads "
+            f"{cfg.data.get('name', 'its data')} ({cfg.data.task}); train it with "
+            "trainer.profile=true instead"
+        )
+    with open_dict(cfg.data):
+        cfg.data.image_size = image_size
+    return build_model(cfg.model), int(cfg.data.in_channels), int(cfg.data.num_classes)
+
+
 def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
     """``(module, input, loss_fn)`` for ``case`` on ``device``, in fp32."""
     import torch
@@ -159,15 +183,13 @@ def build_case(case: Case, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]
                 case.overrides["code"], group=get_group(case.group),
                 image_size=case.image_size, patch_size=case.patch_size,
             )  # fmt: skip
+            channels, classes = 1, 10  # rotMNIST
         else:
-            from symattn_cli.data.base import DataSpec
-            from symattn_cli.models.registry import create_model
-
-            spec = DataSpec(task="classify", num_classes=10, in_channels=1,
-                            image_size=case.image_size, arch="rotmnist")  # fmt: skip
-            module = create_model(case.name, spec=spec, **case.overrides)
-        x = torch.randn(case.batch, 1, case.image_size, case.image_size)
-        y = torch.randint(0, 10, (case.batch,), device=device)
+            module, channels, classes = model_case(
+                case.name, case.image_size, case.overrides, case.search_path
+            )
+        x = torch.randn(case.batch, channels, case.image_size, case.image_size)
+        y = torch.randint(0, classes, (case.batch,), device=device)
 
         def loss(out):
             return torch.nn.functional.cross_entropy(out, y)

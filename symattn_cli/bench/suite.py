@@ -210,14 +210,16 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
         info = dict(family="gsa", form=case.form, patch_size=case.patch_size, channels=20,
                     heads=9)  # fmt: skip
     elif case.kind == "model":
+        from symattn_cli.configs.compose import user_search_path
         from symattn_cli.models.gsa_net import GLOBAL
-        from symattn_cli.models.registry import model_config
+        from symattn_cli.models.instantiate import family_of, model_config
 
+        search_path = user_search_path()
         try:
-            config = model_config(case.name, **case.overrides)
+            config = model_config(case.name, search_path=search_path, **case.overrides)
         except Exception as err:  # unknown model name or a bad override
             raise ConfigError(f"model {case.name!r}: {err}".splitlines()[0]) from None
-        family = config["family"]
+        family = family_of(config["_target_"])
         overrides = dict(case.overrides)
         if family == "gsa":
             option = GLOBAL if case.patch_size is None else case.patch_size
@@ -227,10 +229,16 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
                 overrides.update(attention_backend=case.attention_backend)
             group, form, patch = case.group, case.query_form, case.patch_size
             channels, heads = config["channels"] or 20, config["heads"] or 9
-        else:
+        elif family in ("cnn", "gcnn"):
             group, form, patch = config.get("group", "z2"), "-", config.get("kernel_size", 0)
             channels, heads = max(config.get("channels") or [0]), 0
-        case = replace(case, group=group, overrides=overrides)
+        else:  # a user's model: what its config says, where it says it
+            group = config.get("group") if isinstance(config.get("group"), str) else "z2"
+            form, patch, heads = "-", 0, config.get("heads", 0)
+            width = config.get("channels", 0)
+            channels = max(width) if isinstance(width, list) and width else width or 0
+            family = config["_target_"]
+        case = replace(case, group=group, overrides=overrides, search_path=search_path)
         info = dict(family=family, form=form, patch_size=patch, channels=channels, heads=heads)
     else:
         heads = case.heads if case.name == "gsa" else 0
@@ -254,13 +262,13 @@ def check_names(models: Sequence[str] = (), layers: Sequence[str] = ()) -> None:
     bad_layers = [name for name in layers if name not in LAYERS]
     if bad_layers:
         raise ConfigError(f"layers={list(layers)}: {bad_layers} unknown; use any of {LAYERS}")
-    if models:
-        from symattn_cli.configs.paths import list_group_options
+    for name in models:  # a shipped config or one on the command line's --config-dir
+        from symattn_cli.models.instantiate import compose
 
-        known = list_group_options("model")
-        bad = [name for name in models if name not in known]
-        if bad:
-            raise ConfigError(f"models={list(models)}: {bad} unknown; use any of {known}")
+        try:
+            compose(name)
+        except ConfigError as err:
+            raise ConfigError(f"models={list(models)}: {err}") from None
 
 
 def select_cases(
@@ -293,6 +301,11 @@ def select_cases(
             raise ConfigError(f"{option}={list(values)}: {small} below 1; give sizes of at least 1")
     patches = [patch_size_option(p, "patch_sizes") for p in patch_sizes]
     wanted_groups = {group_option(g) for g in groups}
+    cases = list(cases)
+    batch = next((c.batch for c in cases if c.kind == "model"), 2)
+    present = {c.name for c in cases if c.kind == "model"}
+    cases += [Case(kind="model", name=name, image_size=28, batch=batch)  # named, not preset
+              for name in models if name not in present]  # fmt: skip
     out: list[Case] = []
     for case in cases:
         if wanted_groups and group_option(case.group) not in wanted_groups:

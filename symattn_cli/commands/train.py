@@ -7,6 +7,7 @@ epoch, with the config stored in the run file (:func:`resumed_config`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -51,13 +52,23 @@ def stored_config(path: Path):
     from omegaconf import OmegaConf
 
     from symattn_cli.configs.base import TrainConfig
-    from symattn_cli.models.registry import stored_model_options
+    from symattn_cli.models.instantiate import upgrade_stored
     from symattn_cli.train.runfile import read_config_yaml
 
-    stored = OmegaConf.create(read_config_yaml(path))
-    if "model" in stored:
-        stored.model = stored_model_options(OmegaConf.to_container(stored.model))
+    stored = upgrade_stored(OmegaConf.create(read_config_yaml(path)))
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
+
+
+def check_stored_targets(stored: Any, given: Any, path: Path, option: str) -> None:
+    """Refuse a run file whose model or data ``_target_`` the command line (``given``) does
+    not name (:func:`symattn_cli.configs.targets.check_trusted`): nothing is imported."""
+    from symattn_cli.configs.targets import check_trusted, targets_in
+
+    named = set()
+    for key in ("model", "data"):
+        if key in given:
+            named |= targets_in(given[key])
+    check_trusted({k: stored[k] for k in ("model", "data") if k in stored}, named, path, option)
 
 
 # What a resumed run takes from the command line: how it reports and where it runs, not what
@@ -71,14 +82,23 @@ def resumed_config(stored: Any, given: Any, overrides: list[str]) -> Any:
     line's (``given``, composed from ``overrides``) values of :data:`RESUME_FREE`. An override
     of anything else that differs from the stored value is a :class:`ConfigError` naming it:
     the run's state belongs to its own config."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
+
+    from symattn_cli.models.instantiate import ALL_FACTS
+
+    given = copy.deepcopy(given)
+    if "data" in given and "data" in stored:  # the data's facts as the run's data gave them
+        with open_dict(given):
+            for fact in ALL_FACTS:
+                if given.data.get(fact, 0) is None and fact in stored.data:
+                    given.data[fact] = stored.data[fact]
 
     def plain(config: Any, key: str) -> Any:
         """The value at ``key``, without the keys of :data:`RESUME_FREE` below it."""
         value = OmegaConf.select(config, key)
         if not OmegaConf.is_config(value):
             return value
-        value = OmegaConf.to_container(value)
+        value = OmegaConf.to_container(value, resolve=True)
         for free in RESUME_FREE:
             if free.startswith(key + "."):
                 value.pop(free[len(key) + 1 :], None)
@@ -116,8 +136,7 @@ def train(cfg: Any) -> dict[str, float]:
     import torch
     from omegaconf import OmegaConf
 
-    from symattn_cli.data.registry import build_data
-    from symattn_cli.models.registry import build_model
+    from symattn_cli.models.instantiate import build
     from symattn_cli.train.curves import CURVES_FILE, epoch_plotter
     from symattn_cli.train.distributed import barrier, device_for, init_world, shutdown
     from symattn_cli.train.profile import profiled
@@ -135,7 +154,9 @@ def train(cfg: Any) -> dict[str, float]:
     resume_path = locate_run_file(cfg.resume) if cfg.resume else None
     state = None
     if resume_path is not None:
-        cfg = resumed_config(stored_config(resume_path), cfg, _task_overrides())
+        stored = stored_config(resume_path)
+        check_stored_targets(stored, cfg, resume_path, "resume")
+        cfg = resumed_config(stored, cfg, _task_overrides())
         state = read_state(resume_path)  # first: a state that cannot be read fails at once
         directory = resume_path.parent
     else:
@@ -148,12 +169,7 @@ def train(cfg: Any) -> dict[str, float]:
         torch.set_num_threads(settings.threads)
     seed_everything(cfg.seed, deterministic=settings.deterministic)
 
-    data = build_data(OmegaConf.to_container(cfg.data, resolve=True), resolve_path(cfg.data_root))
-    model_options = OmegaConf.to_container(cfg.model, resolve=True)
-    try:
-        model = build_model(model_options, data.spec)
-    except ValueError as err:  # constructors validate their keyword arguments
-        raise ConfigError(f"model: {err}") from None
+    data, model = build(cfg)
     device = resolve_device(settings.device)
     names = metric_names(data.spec.task, data.extra_tests)
 
@@ -254,8 +270,9 @@ def _draw_curves(path: Path, tracker, title: str) -> Path | None:
 
 
 def _data_name(cfg: Any) -> str:
+    name = cfg.data.get("name") or str(cfg.data.get("_target_", "data")).rsplit(".", 1)[-1]
     variant = cfg.data.get("variant")
-    return f"{cfg.data.name} ({variant})" if variant else cfg.data.name
+    return f"{name} ({variant})" if variant else name
 
 
 def _draw_attention(model, data, directory: Path, tracker, title: str) -> Path | None:

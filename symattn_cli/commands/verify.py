@@ -36,10 +36,51 @@ class Trained:
     """The model of ``checkpoint=``, read once: its run file, data and the test images the
     image checks and the attention maps use (None for a token model)."""
 
-    path: Path
+    path: Path | None  # None: model=<name> at its initial weights
     model: Any
     data: Any
     images: Any
+
+
+def command_line_targets(cfg: Any) -> set[str]:
+    """The ``_target_`` s of the model and data configs this command line names."""
+    from symattn_cli.configs.targets import targets_in
+
+    return targets_in(cfg.model or {}) | targets_in(cfg.data or {})
+
+
+def load_model(cfg: Any) -> Trained:
+    """The model of ``model=<name>`` at its initial weights with the encodings of its attention
+    layers drawn at random (:func:`~symattn_cli.verify.gsa.randomize_encodings`: at their
+    initial values near zero a layer's group term would hardly show), on ``data=`` (default
+    ``rotmnist_mini``), with a few of its test images. The data's facts are written into
+    ``cfg.data``."""
+    from omegaconf import open_dict
+
+    from symattn_cli.configs.compose import compose_train
+    from symattn_cli.models.instantiate import build
+    from symattn_cli.verify.gsa import randomize_encodings
+    from symattn_cli.verify.model import sample_inputs
+
+    if cfg.data is None:
+        with open_dict(cfg):
+            cfg.data = compose_train(["data=rotmnist_mini"]).data
+    torch_seed(cfg.seed)
+    built, model = build(cfg)
+    if built.spec.task != "classify":
+        raise ConfigError(
+            f"model=: verify-equivariance measures models of images under turns and flips; "
+            f"this data's task is {built.spec.task!r} (the knowledge-attention laws are "
+            "checked by the suite: families=[knowledge])"
+        )
+    return Trained(None, randomize_encodings(model, seed=cfg.seed), built,
+                   sample_inputs(built, seed=cfg.seed))  # fmt: skip
+
+
+def torch_seed(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
 
 
 def load_checkpoint(cfg: Any) -> Trained:
@@ -53,7 +94,7 @@ def load_checkpoint(cfg: Any) -> Trained:
         )
     path = locate_run_file(cfg.checkpoint, option="checkpoint")
     root = resolve_path(cfg.data_root)
-    model, data, _ = load_trained(path, root)
+    model, data, _ = load_trained(path, root, command_line_targets(cfg))
     images = None
     if data.spec.task != "tokens":
         images = checkpoint_images(data, root, cfg.checkpoint_images)
@@ -63,6 +104,15 @@ def load_checkpoint(cfg: Any) -> Trained:
 def collect(cfg: Any, trained: Trained | None = None) -> list[Check]:
     from symattn_cli.verify.suite import run_suite
 
+    if trained is not None and trained.path is None:  # model=<name>
+        from symattn_cli.groups import get_group, group_option
+        from symattn_cli.verify.model import model_checks
+
+        claims = [get_group(group_option(g)).name for g in cfg.claims]
+        names = [get_group(group_option(g)).name for g in cfg.groups] or all_groups()
+        groups = [get_group(n) for n in dict.fromkeys([*names, *claims])]
+        return model_checks(trained.model, trained.images, groups, claims, dtype=cfg.dtype,
+                            seed=cfg.seed)  # fmt: skip
     if trained is not None:
         from symattn_cli.verify.checkpoint import checkpoint_checks
 
@@ -78,6 +128,12 @@ def collect(cfg: Any, trained: Trained | None = None) -> list[Check]:
         seed=cfg.seed,
         offgrid=cfg.offgrid,
     )
+
+
+def all_groups() -> list[str]:
+    from symattn_cli.groups import GROUP_NAMES
+
+    return list(GROUP_NAMES)
 
 
 def render(rows: Sequence[Check], *, full: bool = False) -> None:
@@ -170,7 +226,15 @@ def verify(cfg: Any) -> list[Check]:
     from symattn_cli.train.runfile import write_results_file
 
     start = time.perf_counter()
-    trained = load_checkpoint(cfg) if cfg.checkpoint else None
+    if cfg.claims and cfg.model is None:
+        raise ConfigError(
+            f"claims={list(cfg.claims)} judges a whole model; name it with model=<name> "
+            "(and --config-dir <dir> for a model config of your own)"
+        )
+    if cfg.checkpoint:
+        trained = load_checkpoint(cfg)
+    else:
+        trained = load_model(cfg) if cfg.model is not None else None
     rows = collect(cfg, trained)
     elapsed = time.perf_counter() - start
     directory = run_dir()
@@ -195,7 +259,7 @@ def verify(cfg: Any) -> list[Check]:
     )
     figure = plot(rows, directory / "errors.png") if cfg.plot else None
     attention = None
-    if cfg.plot and trained is not None and trained.images is not None:
+    if cfg.plot and trained is not None and trained.path is not None and trained.images is not None:
         from symattn_cli.verify.attention_maps import ATTENTION_FILE, draw_attention
 
         title = f"{trained.path.parent.name}: first test image"

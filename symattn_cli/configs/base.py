@@ -42,6 +42,15 @@ class TrainConfig:
 
 @dataclass
 class VerifyConfig:
+    """``symattn verify-equivariance``: the built-in suite, ``checkpoint=`` a trained model, or
+    ``model=<name>`` any model config's whole model under each element of ``groups``, with
+    ``claims`` the groups it must be exactly invariant (or equivariant) to."""
+
+    model: Any = None  # a model config (model=<name>): check that model
+    data: Any = None  # the data config its facts come from (data=<name>)
+    trainer: Any = None  # set by the configs of sequence models; unused here
+    claims: list[str] = field(default_factory=list)  # model=: groups it must respect exactly
+    data_root: str = "data"
     groups: list[str] = field(default_factory=list)  # empty = all groups
     layers: list[str] = field(default_factory=list)  # empty = all layer kinds
     families: list[str] = field(default_factory=lambda: ["gsa", "knowledge", "attention"])
@@ -51,7 +60,6 @@ class VerifyConfig:
     checkpoint_images: int = 500  # test digits the checkpoint checks rotate
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    data_root: str = "data"
     plot: bool = True
     full_table: bool = False  # one table line per element instead of the worst per layer
     name: str = "verify"

@@ -5,15 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from symattn_cli.configs.data import DATA_IMAGE_SIZE, DATA_IN_CHANNELS, DATA_NUM_CLASSES
+
 
 @dataclass
 class CNNConfig:
-    family: str = "cnn"
+    _target_: str = "symattn_cli.models.cnn.build"
     channels: list[int] = field(default_factory=lambda: [32, 64, 96])
     kernel_size: int = 3
     dropout: float = 0.1
-    in_channels: int = 0  # 0 = from the data
-    num_classes: int = 0  # 0 = from the data
+    in_channels: int = DATA_IN_CHANNELS
+    num_classes: int = DATA_NUM_CLASSES
+    image_size: int = DATA_IMAGE_SIZE  # checks that every pooling has a map to pool
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [

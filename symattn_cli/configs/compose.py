@@ -24,3 +24,32 @@ def compose_group(group: str, name: str):
         return compose(config_name="train", overrides=overrides)[group]
     with initialize_config_module(config_module="symattn_cli.conf", version_base="1.3"):
         return compose(config_name="train", overrides=overrides)[group]
+
+
+def compose_train(overrides: list[str], search_path: list[str] = ()):
+    """The ``train`` config composed with ``overrides``: in a running Hydra app with its search
+    path (a user's ``--config-dir`` included), else from the shipped configs and the config
+    folders of ``search_path`` (``file://<dir>``, as :func:`user_search_path` gives them)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from symattn_cli.configs import register_configs
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="train", overrides=overrides)
+    if search_path:
+        overrides = [*overrides, f"hydra.searchpath=[{','.join(search_path)}]"]
+    with initialize_config_module(config_module="symattn_cli.conf", version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def user_search_path() -> list[str]:
+    """The config folders a running Hydra app reads besides the shipped ones (``--config-dir``,
+    ``hydra.searchpath``), as ``file://<dir>``; empty outside an app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    sources = HydraConfig.get().runtime.config_sources
+    return [f"{s.schema}://{s.path}" for s in sources if s.schema == "file"]

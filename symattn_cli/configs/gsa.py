@@ -5,15 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from symattn_cli.configs.data import (
+    DATA_ARCH,
+    DATA_IMAGE_SIZE,
+    DATA_IN_CHANNELS,
+    DATA_NUM_CLASSES,
+)
+
 
 @dataclass
 class GSANetConfig:
     """GSA-Net options; architecture values left empty (0, null, []) come from the preset
     of ``arch`` (auto: the one the data suggests: rotmnist | cifar10 | pcam)."""
 
-    family: str = "gsa"
+    _target_: str = "symattn_cli.models.gsa_net.build"
     group: str = "z2"  # z2 | z4 (r4) | r8 | r12 | r16 | mirror (z2m) | z4m (r4m) | r8m
-    arch: str = "auto"  # auto | rotmnist | cifar10 | pcam
+    arch: str = DATA_ARCH  # auto | rotmnist | cifar10 | pcam; by default the data's
     query_form: str = "sum"  # sum (GSA-Nets Eq. 16) | single (one query per element)
     # the group term's index (docs/gsa-nets.md): pair | gevit (exact, see the group axis),
     # relative (exact, blind to the group axis in the sum form), shifted (the reference's, not
@@ -38,22 +45,24 @@ class GSANetConfig:
     # auto (the C++ kernel on CPU, the Triton kernel on CUDA), cpp, triton, or torch (plain
     # PyTorch: any device, the fallback)
     attention_backend: str = "auto"
-    in_channels: int = 0  # 0 = from the data
-    num_classes: int = 0  # 0 = from the data
+    in_channels: int = DATA_IN_CHANNELS
+    num_classes: int = DATA_NUM_CLASSES
+    image_size: int = DATA_IMAGE_SIZE  # checks that the crops leave a map
 
 
 @dataclass
 class GCNNConfig:
     """P4CNN-style group convolutional baseline (lifting + group convolutions)."""
 
-    family: str = "gcnn"
+    _target_: str = "symattn_cli.models.gcnn.build"
     group: str = "z4"  # z2 | z4 | mirror | z4m (grid-exact groups only)
     channels: list[int] = field(default_factory=lambda: [10, 10, 10, 10, 10, 10, 10])
     kernel_size: int = 3
     pool_after: list[int] = field(default_factory=lambda: [1])  # 2x2 max-pool after layer i
     dropout: float = 0.3
-    in_channels: int = 0
-    num_classes: int = 0
+    in_channels: int = DATA_IN_CHANNELS
+    num_classes: int = DATA_NUM_CLASSES
+    image_size: int = DATA_IMAGE_SIZE  # checks that every pooling has a map to pool
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [

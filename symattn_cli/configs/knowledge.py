@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class KnowledgeAttentionConfig:
-    family: str = "ka"
+    _target_: str = "symattn_cli.models.knowledge.build"
     # g: softmax | sigmoid | kernel | rbf | quartic | general (Prop. 3.2) | perm (Prop. 4.1)
     form: str = "softmax"
     d_model: int = 64
@@ -40,8 +40,14 @@ class KnowledgeAttentionConfig:
     relative_window: bool = False  # indexed keys more than relative_span away are not read
     norm: bool = True  # scalar-gain RMS norms (rotation equivariant)
     residual: bool = True
-    vocab_size: int = 0  # 0 = from the data
-    max_len: int = 0  # 0 = from the data (learned positions only)
+    # the data's facts (symattn_cli.configs.sequences): vocabulary, longest sequence (learned
+    # positions must cover it), padding token, token strings, answer order, causal answers
+    vocab_size: int = "${data.vocab_size}"
+    max_len: int = "${data.seq_len}"
+    pad_index: int = "${data.pad_index}"
+    tokens: Any = "${data.tokens}"
+    answer_order: str = "${data.answer_order}"
+    causal_answer: bool = "${data.causal_answer}"
 
 
 SCHEMAS: list[tuple[str | None, str, Any]] = [

@@ -8,7 +8,23 @@ from typing import Any
 
 @dataclass
 class SequenceDataConfig:
+    """A generated sequence task. Besides its options, the facts a model is sized by, filled in
+    when the task is generated (``null`` until then): ``vocab_size`` and ``num_classes`` (the
+    token vocabulary), ``seq_len`` (the longest sequence of any split), ``pad_index``,
+    ``tokens`` (the token strings, index = id), ``answer_order`` (``lsd``: least significant
+    answer digit first | ``msd``) and ``causal_answer`` (answers read causally, decoded
+    greedily)."""
+
+    _target_: str = "symattn_cli.data.sequences.dataset"
     name: str = "arithmetic"
+    task: str = "tokens"
+    vocab_size: int | None = None
+    num_classes: int | None = None
+    seq_len: int | None = None
+    pad_index: int | None = None
+    tokens: list[str] | None = None
+    answer_order: str | None = None
+    causal_answer: bool | None = None
     kind: str = "sequence"
     variant: str = "two_digit"  # arithmetic: two_digit | single_digit
     # split sizes; arithmetic: all 0 = 80/10/10 of every distinct expression (20,000 / 200)

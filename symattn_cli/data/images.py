@@ -47,6 +47,12 @@ def build(name: str, options: Mapping[str, Any], root: Path) -> DataBundle:
     return module.build(name, dict(options))
 
 
+def dataset(name: str, root: str = "data", **options: Any) -> DataBundle:
+    """``_target_`` of the image data configs: :func:`build` with the config's keys as keyword
+    arguments; a relative ``root`` resolves against the working directory."""
+    return build(name, options, Path(root).expanduser().absolute())
+
+
 def training_symmetries(name: str, options: Mapping[str, Any]) -> dict[str, Callable]:
     """The pixel-exact flips and quarter turns that dataset ``name`` (with ``options``, the
     data config) applies to its training images, by augmentation or variant: functions on

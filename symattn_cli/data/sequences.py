@@ -377,7 +377,13 @@ def _bundle(
     )
 
 
-def build(name: str, options: dict[str, Any], root: Path) -> DataBundle:
+def dataset(name: str, **options: Any) -> DataBundle:
+    """``_target_`` of the sequence data configs: :func:`build` with the config's keys as
+    keyword arguments."""
+    return build(name, options, None)
+
+
+def build(name: str, options: dict[str, Any], root: Path | None) -> DataBundle:
     """Generate dataset ``name`` (arithmetic, addition, sort, reverse); ``root`` is unused."""
     options = dict(options)
     if name == "arithmetic":

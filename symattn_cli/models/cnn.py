@@ -8,12 +8,9 @@ group-equivariant models are compared against.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
-
-from symattn_cli.data.base import DataSpec
 
 
 def check_layers(channels: Sequence[int], kernel_size: int, pools: Sequence[int]) -> None:
@@ -80,13 +77,18 @@ class PlainCNN(nn.Module):
         return self.head(self.dropout(h))  # (B, K)
 
 
-def build(options: dict[str, Any], spec: DataSpec) -> PlainCNN:
-    model = PlainCNN(
-        in_channels=options.get("in_channels") or spec.in_channels,
-        num_classes=options.get("num_classes") or spec.num_classes,
-        channels=tuple(options["channels"]),
-        kernel_size=options["kernel_size"],
-        dropout=options["dropout"],
-    )
-    check_pools(range(len(options["channels"]) - 1), spec.image_size)
+def build(
+    *,
+    in_channels: int,
+    num_classes: int,
+    channels: Sequence[int] = (32, 64, 96),
+    kernel_size: int = 3,
+    dropout: float = 0.1,
+    image_size: int = 0,
+) -> PlainCNN:
+    """``_target_`` of the CNN configs: the :class:`PlainCNN`, with its poolings checked
+    against the data's ``image_size`` (0: not checked)."""
+    model = PlainCNN(in_channels=in_channels, num_classes=num_classes, channels=tuple(channels),
+                     kernel_size=kernel_size, dropout=dropout)  # fmt: skip
+    check_pools(range(len(channels) - 1), image_size)
     return model

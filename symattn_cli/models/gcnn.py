@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from symattn_cli.data.base import DataSpec
 from symattn_cli.groups import Group, get_group
 from symattn_cli.models.cnn import check_layers, check_pools
 from symattn_cli.nn.pooling import GroupPool
@@ -118,15 +116,21 @@ class GroupCNN(nn.Module):
         return self.pool(h)  # (B, K): invariant logits
 
 
-def build(options: dict[str, Any], spec: DataSpec) -> GroupCNN:
-    model = GroupCNN(
-        group=get_group(options.get("group", "z4")),
-        in_channels=options.get("in_channels") or spec.in_channels,
-        num_classes=options.get("num_classes") or spec.num_classes,
-        channels=tuple(options["channels"]),
-        kernel_size=options["kernel_size"],
-        pool_after=tuple(options["pool_after"]),
-        dropout=options["dropout"],
-    )
-    check_pools(options["pool_after"], spec.image_size)
+def build(
+    *,
+    in_channels: int,
+    num_classes: int,
+    group: str = "z4",
+    channels: Sequence[int] = (10,) * 7,
+    kernel_size: int = 3,
+    pool_after: Sequence[int] = (1,),
+    dropout: float = 0.3,
+    image_size: int = 0,
+) -> GroupCNN:
+    """``_target_`` of the P4CNN configs: the :class:`GroupCNN` on ``group``, with its poolings
+    checked against the data's ``image_size`` (0: not checked)."""
+    model = GroupCNN(group=get_group(group), in_channels=in_channels, num_classes=num_classes,
+                     channels=tuple(channels), kernel_size=kernel_size,
+                     pool_after=tuple(pool_after), dropout=dropout)  # fmt: skip
+    check_pools(pool_after, image_size)
     return model

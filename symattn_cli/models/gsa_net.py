@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
 from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
@@ -258,10 +257,10 @@ class GSANet(nn.Module):
         return self.pool(h)  # (B, K): invariant logits
 
 
-def resolve_arch(options: dict[str, Any], spec: DataSpec) -> str:
+def resolve_arch(options: dict[str, Any]) -> str:
     arch = options.get("arch") or "auto"
     if arch == "auto":
-        arch = spec.arch or "rotmnist"
+        arch = "rotmnist"
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"arch={arch!r} has no GSA-Net preset; choose auto or one of {sorted(ARCHITECTURES)}"
@@ -288,14 +287,19 @@ def patch_size_option(value: Any, option: str, also: str = "") -> int | None:
     )
 
 
-def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
-    """Model options -> :class:`GSANet` keyword arguments (the config boundary).
+def build(*, in_channels: int, num_classes: int, image_size: int = 0, **options: Any) -> GSANet:
+    """``_target_`` of the GSA-Net configs: model options -> :class:`GSANet` keyword arguments.
 
-    Architecture values come from the preset of ``arch`` (auto: the data's), and a model
-    option replaces a preset value unless it is empty (0, null or []); ``patch_size`` is an
-    odd side P, ``global``, or 0 for the preset's (:func:`patch_size_option`).
+    Architecture values come from the preset of ``arch`` (the configs pass the data's; auto:
+    rotmnist), and a model option replaces a preset value unless it is empty (0, null or []);
+    ``patch_size`` is an odd side P, ``global``, or 0 for the preset's
+    (:func:`patch_size_option`). ``image_size`` > 0 checks that the crops leave a map.
+    The options are the fields of :class:`symattn_cli.configs.gsa.GSANetConfig`.
     """
-    arch = resolve_arch(options, spec)
+    unknown = sorted(set(options) - set(_OPTION_KEYS))
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}: GSA-Nets have no option {unknown[0]!r}")
+    arch = resolve_arch(options)
     kwargs = dict(ARCHITECTURES[arch])
     for key in _PRESET_KEYS:
         value = options.get(key)
@@ -308,8 +312,8 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         )
     net = GSANet(
         group=get_group(options.get("group", "z2")),
-        in_channels=options.get("in_channels") or spec.in_channels,
-        num_classes=options.get("num_classes") or spec.num_classes,
+        in_channels=in_channels,
+        num_classes=num_classes,
         query_form=options.get("query_form", "sum"),
         attention_dropout=options.get("attention_dropout", 0.1),
         value_dropout=options.get("value_dropout", 0.1),
@@ -321,6 +325,12 @@ def build(options: dict[str, Any], spec: DataSpec) -> GSANet:
         norm=options.get("norm", "layer"),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )
-    if spec.image_size > 0:
-        net.map_sizes(spec.image_size)
+    if image_size > 0:
+        net.map_sizes(image_size)
     return net
+
+
+_OPTION_KEYS = ("group", "arch", "query_form", "group_index", "channels", "heads", "block_sizes",
+                "expansion", "crops", "patch_size", "attention_dropout", "value_dropout",
+                "input_dropout", "pool_dropout", "input_pool", "norm", "checkpointing",
+                "chunk_elements", "attention_backend")  # fmt: skip

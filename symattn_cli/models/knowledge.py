@@ -48,7 +48,7 @@ This module is the config boundary of the family: names (``form``, ``activation`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -56,7 +56,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
 from symattn_cli.nn.knowledge import (
     Coefficients,
@@ -579,41 +578,24 @@ _BUILD_KEYS = (
 )
 
 
-def build(options: dict[str, Any], spec: DataSpec) -> KnowledgeSeq2Seq:
-    """``family: ka`` builder: model options + the data's sizes -> :class:`KnowledgeSeq2Seq`."""
-    if spec.task != "tokens":
-        raise ConfigError(
-            f"knowledge-attention models need a token (sequence) dataset; the data's task is "
-            f"{spec.task!r}: use data=arithmetic, data=addition, data=sort or data=reverse"
-        )
-    unknown = sorted(set(options) - set(_BUILD_KEYS) - {"vocab_size", "max_len"})
+def build(
+    *,
+    vocab_size: int,
+    max_len: int = 0,
+    pad_index: int = 0,
+    tokens: Sequence[str] = (),
+    answer_order: str = "lsd",
+    causal_answer: bool = False,
+    **options: Any,
+) -> KnowledgeSeq2Seq:
+    """``_target_`` of the knowledge-attention configs: model options and the data's facts
+    (vocabulary, longest sequence, padding token, token strings, answer order, causal answers)
+    -> :class:`KnowledgeSeq2Seq`. The options are the fields of
+    :class:`symattn_cli.configs.knowledge.KnowledgeAttentionConfig`."""
+    unknown = sorted(set(options) - set(_BUILD_KEYS))
     if unknown:
         raise ConfigError(f"unknown knowledge-attention model options {unknown}")
-    kwargs = {key: options[key] for key in _BUILD_KEYS if key in options}
-    return build_model(
-        vocab_size=options.get("vocab_size") or spec.vocab_size or spec.num_classes,
-        pad_index=spec.pad_index,
-        max_len=options.get("max_len") or spec.max_len,
-        tokens=spec.tokens,
-        answer_order=spec.answer_order,
-        causal=spec.causal_answer,
-        **kwargs,
-    )
+    return build_model(vocab_size=vocab_size, pad_index=pad_index, max_len=max_len,
+                       tokens=tuple(tokens or ()), answer_order=answer_order,
+                       causal=causal_answer, **options)  # fmt: skip
 
-
-def default_spec(options: dict[str, Any]) -> DataSpec:
-    """Sizes of the default ``arithmetic`` task (two-digit operands): 15 tokens, n = 10.
-
-    The same numbers as :mod:`symattn_cli.data.sequences` (pad, '_', '=', '+', '-', 0–9),
-    repeated here because models do not import the data layer.
-    """
-    tokens = ("<pad>", "_", "=", "+", "-", *"0123456789")
-    return DataSpec(
-        task="tokens",
-        num_classes=len(tokens),
-        vocab_size=len(tokens),
-        max_len=10,
-        pad_index=0,
-        arch="sequence",
-        tokens=tokens,
-    )

@@ -23,19 +23,31 @@ from symattn_cli.verify.records import Check
 OFFGRID_DEGREES = (45.0, 30.0)
 
 
-def load_trained(path: Path, data_root: Path) -> tuple[nn.Module, Any, dict]:
-    """The model of a run file with its best weights, its data bundle and its config."""
-    from omegaconf import OmegaConf
+def load_trained(
+    path: Path, data_root: Path, named: set[str] = frozenset()
+) -> tuple[nn.Module, Any, dict]:
+    """The model of a run file with its best weights, its data bundle and its config. The run
+    file's ``_target_`` s must be shipped ones or in ``named`` (the command line's): a file
+    does not choose the code that runs."""
+    from omegaconf import OmegaConf, open_dict
 
-    from symattn_cli.data.registry import build_data
-    from symattn_cli.models.registry import build_model, stored_model_options
-    from symattn_cli.train.runfile import read_config_yaml, read_weights
+    from symattn_cli.configs.targets import check_trusted
+    from symattn_cli.models.instantiate import build, upgrade_stored
+    from symattn_cli.train.runfile import read_config_yaml
 
-    config = OmegaConf.to_container(OmegaConf.create(read_config_yaml(path)), resolve=True)
-    if "model" not in config or "data" not in config:
+    stored = OmegaConf.create(read_config_yaml(path))
+    if "model" not in stored or "data" not in stored:
         raise UserError(f"{path} holds no training config; pass the run.h5 of `symattn train`")
-    data = build_data(config["data"], data_root)
-    model = build_model(stored_model_options(config["model"]), data.spec)
+    check_trusted({"model": stored.model, "data": stored.data}, named, path, "checkpoint")
+    stored = upgrade_stored(stored)
+    with open_dict(stored):
+        stored.data_root = str(data_root)
+    config = OmegaConf.create({"model": stored.model, "data": stored.data,
+                               "data_root": stored.data_root})  # fmt: skip
+    data, model = build(config)
+    config = OmegaConf.to_container(config, resolve=True)
+    from symattn_cli.train.runfile import read_weights
+
     weights = {k: torch.from_numpy(v) for k, v in read_weights(path).items()}
     model.load_state_dict(weights)
     return model.eval(), data, config
@@ -202,10 +214,10 @@ def checkpoint_checks(
 def checkpoint_images(data: Any, data_root: Path, limit: int) -> torch.Tensor:
     """Up to ``limit`` test images ``(B, C, H, W)`` for an image model: real rotated digits
     (the test split of rotmnist_mini) for one-channel models, else the run's own test split."""
-    from symattn_cli.data.registry import build_data
+    from symattn_cli.data.images import build
 
     if data.spec.in_channels == 1:
-        digits = build_data({"name": "rotmnist_mini", "kind": "image"}, data_root).test
+        digits = build("rotmnist_mini", {}, data_root).test
     else:
         digits = data.test
     return torch.stack([digits[i][0] for i in range(min(limit, len(digits)))])

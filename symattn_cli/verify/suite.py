@@ -167,13 +167,19 @@ def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
         rows.append(Check("knowledge", symmetry, layer, element, error, error, expect, dtype,
                           note=note))  # fmt: skip
 
+    def on_data(options, spec):  # the model config's target with the data's facts
+        return build_ka(vocab_size=spec.vocab_size or spec.num_classes, max_len=spec.max_len,
+                        pad_index=spec.pad_index, tokens=spec.tokens,
+                        answer_order=spec.answer_order, causal_answer=spec.causal_answer,
+                        **options)  # fmt: skip
+
     for position in ("coupled", "abacus"):
         for causal in (False, True):
             example, spec = kv.addition_example(causal=causal)
             torch.manual_seed(seed)
             options = {"form": "softmax", "position": position, "d_model": 8, "heads": 2,
                        "layers": 2, "knowledge": 6, "mlp_hidden": 16}  # fmt: skip
-            indexed = build_ka(options, spec).to(torch_dtype).eval()
+            indexed = on_data(options, spec).to(torch_dtype).eval()
             layer = f"ka_softmax + {position}" + (", causal" if causal else "") + " (addition)"
             errors = kv.model_orthogonal_errors(indexed, example, seed=seed)
             add("O(d)", layer, "(E,Z,W,F)→(QE,QZ,QWQᵀ,QF), 4 Haar Q",
@@ -191,7 +197,7 @@ def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
     options = {"form": "softmax", "position": "abacus", "relative_span": 2,
                "relative_window": True, "d_model": 8, "heads": 2, "layers": 2, "knowledge": 6,
                "mlp_hidden": 16}  # fmt: skip
-    relative = build_ka(options, spec).to(torch_dtype).eval()
+    relative = on_data(options, spec).to(torch_dtype).eval()
     for block in relative.blocks:
         torch.nn.init.normal_(block.attention.relative_bias)
     layer = "ka_softmax + abacus + relative span 2, window, causal (addition)"

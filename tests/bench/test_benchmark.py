@@ -132,7 +132,9 @@ def test_select_cases_filters_and_sets_axes():
     assert len(collapsed) == len({c.key() for c in collapsed})
     with pytest.raises(ConfigError, match="unknown group"):
         select_cases(cases, groups=["r5"])
-    with pytest.raises(ConfigError, match=r"\['r9_sa'\] unknown; use any of .*r8_sa"):
+    with pytest.raises(
+        ConfigError, match=r"models=\['r9_sa'\]: unknown model 'r9_sa'; choose one of: .*r8_sa"
+    ):
         select_cases(cases, models=["r9_sa"])
     with pytest.raises(ConfigError, match="gconv"):
         select_cases(cases, layers=["attention"])

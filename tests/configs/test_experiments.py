@@ -10,9 +10,8 @@ from omegaconf import OmegaConf
 from symattn_cli.configs import register_configs
 from symattn_cli.configs.paths import list_group_options
 from symattn_cli.data import vision_files
-from symattn_cli.data.base import DataSpec
 from symattn_cli.data.images import IMAGE_DATASETS, training_symmetries
-from symattn_cli.models.registry import build_model
+from symattn_cli.models.instantiate import build_model
 from symattn_cli.train.settings import TrainSettings
 from symattn_cli.verify.gsa import randomize_encodings
 from tests.helpers import TINY_TRAIN, run_symattn
@@ -51,14 +50,17 @@ def compose_train(*overrides: str):
         return compose(config_name="train", overrides=list(overrides))
 
 
+GSA_TARGET = "symattn_cli.models.gsa_net.build"
+
+
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def build_for(cfg):
     channels, classes = IMAGES[cfg.data.name]
-    spec = DataSpec(task="classify", num_classes=classes, in_channels=channels, arch=cfg.data.arch)
-    return build_model(OmegaConf.to_container(cfg.model, resolve=True), spec)
+    assert (cfg.data.in_channels, cfg.data.num_classes) == (channels, classes)
+    return build_model(cfg.model)
 
 
 def test_every_gsa_preset_is_listed():
@@ -69,7 +71,7 @@ def test_every_gsa_preset_is_listed():
 def test_full_scale_presets_follow_the_paper(name):
     paper = PAPER[name]
     cfg = compose_train(f"experiment={name}")
-    assert (cfg.model.family, cfg.model.group) == ("gsa", paper["group"])
+    assert (cfg.model._target_, cfg.model.group) == (GSA_TARGET, paper["group"])
     assert (cfg.data.name, cfg.data.arch) == (paper["data"], paper["arch"])
     for key, value in paper["trainer"].items():
         assert cfg.trainer[key] == pytest.approx(value), key
@@ -162,7 +164,7 @@ def test_presets_are_invariant_to_the_flips_of_their_data(dataset):
         spec = vision_files.spec(dataset, OmegaConf.to_container(cfg.data))  # the preset's
         options = {**OmegaConf.to_container(cfg.model, resolve=True), "channels": 6, "heads": 2}
         torch.manual_seed(0)
-        model = randomize_encodings(build_model(options, spec)).double().eval()
+        model = randomize_encodings(build_model(options)).double().eval()
         x = torch.rand(1, spec.in_channels, spec.image_size, spec.image_size, dtype=torch.float64)
         with torch.no_grad():
             reference = model(x)
@@ -199,7 +201,8 @@ def test_models_and_data_bring_their_trainer_and_presets_and_the_command_line_wi
 
 def test_addition_recipe_composes_positions_as_knowledge_and_causal_answers():
     cfg = compose_train("experiment=ka_addition")
-    assert (cfg.model.family, cfg.model.form, cfg.model.position) == ("ka", "softmax", "coupled")
+    assert (cfg.model._target_, cfg.model.form, cfg.model.position) == (
+        "symattn_cli.models.knowledge.build", "softmax", "coupled")
     assert cfg.model.position_offset == 64
     assert cfg.model.relative_span == 3 and cfg.model.relative_window is True
     assert (cfg.data.name, cfg.data.decoding, cfg.data.max_digits) == ("addition", "causal", 10)

@@ -10,8 +10,12 @@ import torch
 
 from symattn_cli.data.base import DataError
 from symattn_cli.data.image_common import rotate
-from symattn_cli.data.registry import build_data
+from symattn_cli.data.images import build as _build_images
 from tests.helpers import CodePayload, run_symattn
+
+
+def build_data(options, root):
+    return _build_images(options["name"], options, root)
 
 
 def split_tensors(dataset):

@@ -13,7 +13,7 @@ import torch
 
 import symattn_cli
 import symattn_cli.nn.gsa.core as core
-from symattn_cli.models.registry import default_spec, model_config
+from symattn_cli.models.instantiate import compose
 from symattn_cli.nn.gsa import AUTO_CHUNK
 from tests.helpers import values_and_gradients
 
@@ -21,16 +21,16 @@ NARROW_GSA = {"channels": 8, "heads": 2}  # the paper's layout at a test-sized w
 
 
 def _model_and_input(name: str):
-    family = model_config(name)["family"]
+    cfg = compose(name)
+    family = cfg.model._target_.split(".")[-2]  # the builder's module: cnn, gcnn, gsa_net, ...
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    if family == "ka":
+    if family == "knowledge":
         model = symattn_cli.create_model(name)
-        tokens = torch.randint(1, default_spec(family, model_config(name)).vocab_size, (2, 7),
-                               generator=gen)  # fmt: skip
+        tokens = torch.randint(1, cfg.data.vocab_size, (2, 7), generator=gen)
         return model, tokens
     options = {}
-    if family == "gsa":  # chunks as large as a GPU takes them (the chunk size is automatic)
+    if family == "gsa_net":  # chunks as large as a GPU takes them (the chunk size is automatic)
         options = {"chunk_elements": AUTO_CHUNK["cuda"]}
         if name != "gsa_mini":
             options |= NARROW_GSA

@@ -41,9 +41,5 @@ def test_gcnn_rejects_off_grid_groups():
 )  # fmt: skip
 def test_conv_baselines_refuse_layers_that_cannot_be_built(name, options, message):
     """Refused when built for the data, not as a shape error in the first step."""
-    from symattn_cli.data.base import DataSpec
-    from symattn_cli.models.registry import build_model, model_config
-
-    spec = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28)
     with pytest.raises(ValueError, match=message):
-        build_model(model_config(name, **options), spec)
+        symattn_cli.create_model(name, **options)

@@ -8,16 +8,21 @@ import torch
 import symattn_cli
 from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
-from symattn_cli.models.gsa_net import GSANet, build
-from symattn_cli.models.registry import model_config
+from symattn_cli.models import gsa_net
+from symattn_cli.models.gsa_net import GSANet
+from symattn_cli.models.instantiate import model_config
 from symattn_cli.verify.gsa import layer_equivariance, randomize_encodings
-from tests.helpers import threads
+from tests.helpers import build_on, threads
 
 ROTMNIST = DataSpec(task="classify", num_classes=10, in_channels=1, image_size=28, arch="rotmnist")
 REFERENCE_PARAMS = {
     "z2": 44_368, "r4": 44_428, "r8": 44_508, "r12": 44_588, "r16": 44_668,
     "z2m": 44_388, "r4m": 44_508,
 }  # fmt: skip
+
+
+def build(options, spec):
+    return build_on(gsa_net.build, options, spec)
 
 
 def n_params(model) -> int:
@@ -210,11 +215,11 @@ def test_every_group_layer_of_a_shipped_net_sees_its_group_axis(name):
     """Non-degeneracy of the shipped defaults: moving any group layer's input along its group
     axis alone (one generator-like element: the first after the identity) changes the logits
     by at least 1e-6 relative (float64); the nets' exact invariance is checked above."""
-    from symattn_cli.models.registry import create_model
+    from symattn_cli.models.instantiate import create_model
     from symattn_cli.nn.gsa import GroupSelfAttention
     from symattn_cli.verify.gsa import model_axis_response
 
-    model = create_model(name, ROTMNIST, attention_dropout=0.0, value_dropout=0.0)
+    model = create_model(name, attention_dropout=0.0, value_dropout=0.0)
     model = randomize_encodings(model).double().eval()
     x = torch.randn(1, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     records = model_axis_response(model, x, elements=[1])
@@ -230,9 +235,15 @@ def test_every_group_layer_of_a_shipped_net_sees_its_group_axis(name):
 def test_a_net_stored_before_the_group_index_option_keeps_its_index():
     """Run files from before ``group_index`` existed were built with ``relative``: their
     stored config must rebuild that net, not today's default."""
-    from symattn_cli.models.registry import stored_model_options
+    from omegaconf import OmegaConf
 
-    assert stored_model_options({"family": "gsa"})["group_index"] == "relative"
-    kept = stored_model_options({"family": "gsa", "group_index": "pair"})
-    assert kept["group_index"] == "pair"
-    assert "group_index" not in stored_model_options({"family": "cnn"})
+    from symattn_cli.models.instantiate import upgrade_stored
+
+    def upgraded(model):
+        config = OmegaConf.create({"model": model, "data": {"name": "rotmnist_mini"}})
+        return OmegaConf.to_container(upgrade_stored(config).model)
+
+    assert upgraded({"family": "gsa"})["group_index"] == "relative"
+    assert upgraded({"family": "gsa", "group_index": "pair"})["group_index"] == "pair"
+    assert "group_index" not in upgraded({"family": "cnn"})
+    assert upgraded({"family": "gsa"})["_target_"] == "symattn_cli.models.gsa_net.build"

@@ -7,15 +7,25 @@ import torch
 
 from symattn_cli.data.base import DataSpec
 from symattn_cli.errors import ConfigError
-from symattn_cli.models.knowledge import FORMS, build, build_model, default_spec
+from symattn_cli.models import knowledge
+from symattn_cli.models.knowledge import FORMS, build_model
 from symattn_cli.verify.knowledge import (
     CLEAR_FAILURE,
     TOLERANCES,
     model_orthogonal_errors,
     model_permutation_error,
 )
+from tests.helpers import arithmetic_spec, build_on
 
 TOL = TOLERANCES[torch.float64]
+
+
+def build(options, spec):
+    return build_on(knowledge.build, options, spec)
+
+
+def default_spec(options):
+    return arithmetic_spec()
 SMALL = {"d_model": 8, "heads": 2, "layers": 2, "knowledge": 6, "mlp_hidden": 16}
 
 
@@ -69,8 +79,10 @@ def test_registry_builder_and_default_spec():
         build({"form": "cubic"}, spec)
     with pytest.raises(ConfigError, match="position='rotary'"):
         build({"position": "rotary"}, spec)
-    with pytest.raises(ConfigError, match="token"):
-        build({}, DataSpec(task="classify", num_classes=10))
+    import symattn_cli
+
+    with pytest.raises(ConfigError, match=r"model.vocab_size: .*data.vocab_size"):
+        symattn_cli.create_model("ka_softmax", data="rotmnist_mini")
 
 
 @pytest.mark.parametrize(
@@ -96,7 +108,7 @@ def test_sizes_that_cannot_build_are_refused_by_name(options, message):
     ["ka_softmax", "ka_sigmoid", "ka_kernel", "ka_rbf", "ka_quartic", "ka_general", "ka_perm"],
 )
 def test_yaml_models_build(name):
-    from symattn_cli.models.registry import create_model
+    from symattn_cli.models.instantiate import create_model
 
     model = create_model(name)
     out = model(tokens(n=10))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import symattn_cli
-from symattn_cli.models.registry import model_config
+from symattn_cli.models.instantiate import model_config
 
 MATCHED = {  # model: (group, parameters)
     "z2_mini": ("z2", 21_570),
@@ -38,15 +38,12 @@ def test_r4_mini_is_the_default_model():
 
 def test_image_models_refuse_token_data_by_name():
     """An image classifier given a sequence task is refused before it is built, naming the
-    family, the task and the datasets to use; knowledge attention still builds on it."""
+    fact it reads that the data does not state; knowledge attention still builds on it."""
     import pytest
 
     from symattn_cli.errors import ConfigError
-    from symattn_cli.models.registry import build_model, default_spec
 
-    tokens = default_spec("ka", {})
     for name in ("cnn_mini", "gcnn_mini", "r4_mini"):
-        family = model_config(name)["family"]
-        with pytest.raises(ConfigError, match=f"model family '{family}' classifies images"):
-            build_model(model_config(name), tokens)
-    assert build_model(model_config("ka_softmax"), tokens) is not None
+        with pytest.raises(ConfigError, match=r"model.in_channels: .*data.in_channels"):
+            symattn_cli.create_model(name, data="arithmetic")
+    assert symattn_cli.create_model("ka_softmax", data="arithmetic") is not None

@@ -90,7 +90,7 @@ def resumed_config(stored: Any, given: Any, overrides: list[str]) -> Any:
     if "data" in given and "data" in stored:  # the data's facts as the run's data gave them
         with open_dict(given):
             for fact in ALL_FACTS:
-                if given.data.get(fact, 0) is None and fact in stored.data:
+                if given.data.get(fact) is None and fact in stored.data:
                     given.data[fact] = stored.data[fact]
 
     def plain(config: Any, key: str) -> Any:

@@ -94,7 +94,12 @@ def load_checkpoint(cfg: Any) -> Trained:
         )
     path = locate_run_file(cfg.checkpoint, option="checkpoint")
     root = resolve_path(cfg.data_root)
-    model, data, _ = load_trained(path, root, command_line_targets(cfg))
+    model, data, stored = load_trained(path, root, command_line_targets(cfg))
+    if cfg.model is not None or cfg.data is not None:  # named for trust: record the run's own
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            cfg.model, cfg.data = stored["model"], stored["data"]
     images = None
     if data.spec.task != "tokens":
         images = checkpoint_images(data, root, cfg.checkpoint_images)

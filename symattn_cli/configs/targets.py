@@ -35,15 +35,19 @@ class TargetError(ConfigError):
 
 
 def targets_in(node: Any) -> set[str]:
-    """Every ``_target_`` string in a (plain or OmegaConf) config tree."""
+    """Every ``_target_`` string in a (plain or OmegaConf) config tree; nothing is resolved."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=False)
     found: set[str] = set()
-    if isinstance(node, Mapping) or hasattr(node, "items") and not isinstance(node, str):
+    if isinstance(node, Mapping):
         for key, value in node.items():
             if key == TARGET and isinstance(value, str):
                 found.add(value)
             else:
                 found |= targets_in(value)
-    elif isinstance(node, (list, tuple)) or type(node).__name__ == "ListConfig":
+    elif isinstance(node, (list, tuple)):
         for value in node:
             found |= targets_in(value)
     return found

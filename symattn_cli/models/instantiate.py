@@ -220,11 +220,14 @@ def upgrade_stored(config: Any) -> Any:
                                  answer_order="${data.answer_order}",
                                  causal_answer="${data.causal_answer}")  # fmt: skip
             config.model = model
-        if OmegaConf.is_config(data) and TARGET not in data and data.get("kind") in LEGACY_DATA:
-            data[TARGET] = LEGACY_DATA[data.kind]
-            if data.kind == "image":
+        if OmegaConf.is_config(data) and TARGET not in data and "name" in data:
+            from symattn_cli.data.images import IMAGE_DATASETS
+
+            kind = data.get("kind") or ("image" if data.name in IMAGE_DATASETS else "sequence")
+            data[TARGET] = LEGACY_DATA[kind]
+            if kind == "image":
                 data["root"] = "${data_root}"
-        if OmegaConf.is_config(data) and data.get("root") == config.get("data_root", None):
+        elif OmegaConf.is_config(data) and data.get("root") == config.get("data_root", None):
             data["root"] = "${data_root}"
     return config
 

@@ -33,7 +33,7 @@ def load_trained(
 
     from symattn_cli.configs.targets import check_trusted
     from symattn_cli.models.instantiate import build, upgrade_stored
-    from symattn_cli.train.runfile import read_config_yaml
+    from symattn_cli.train.runfile import read_config_yaml, read_weights
 
     stored = OmegaConf.create(read_config_yaml(path))
     if "model" not in stored or "data" not in stored:
@@ -46,8 +46,6 @@ def load_trained(
                                "data_root": stored.data_root})  # fmt: skip
     data, model = build(config)
     config = OmegaConf.to_container(config, resolve=True)
-    from symattn_cli.train.runfile import read_weights
-
     weights = {k: torch.from_numpy(v) for k, v in read_weights(path).items()}
     model.load_state_dict(weights)
     return model.eval(), data, config

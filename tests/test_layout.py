@@ -8,7 +8,7 @@ from tests.helpers import REPO
 
 # Lowest first; names on one floor may import each other.
 FLOORS = [
-    {"errors", "version"},
+    {"errors", "version", "options"},
     {"groups", "data"},
     {"nn"},
     {"train"},

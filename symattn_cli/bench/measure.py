@@ -53,6 +53,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from symattn_cli.options import (
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_GROUP_INDEX,
+    DEFAULT_QUERY_FORM,
+    GLOBAL,
+)
+
 MODES = ("train", "forward")
 LAYERS = ("gsa", "conv", "gconv")
 MB = 1e6
@@ -65,12 +72,13 @@ class Case:
 
     Layers: ``gsa`` (:class:`~symattn_cli.nn.gsa.GroupSelfAttention`, ``lifting`` or group,
     ``query_form`` sum | single, ``patch_size`` P or None for global, ``group_index`` the group
-    term's index; ``attention_backend="dense"`` runs the reference algorithm, which
-    materialises the full N^3 P^2 logit tensor: form ``sum-naive``), ``conv`` (``Conv2d`` with
-    a ``patch_size`` kernel) and ``gconv`` (lifting / group convolution on ``group``). Models:
-    ``name`` is a model name of ``symattn train model=...`` with ``overrides`` of its config.
-    GSA layers and nets run their attention core on ``attention_backend`` (``auto``: the
-    device's default; see :data:`symattn_cli.nn.gsa.core.BACKENDS`). The authors' net:
+    term's index, pair | gevit | relative | shifted; ``attention_backend="dense"`` runs the
+    reference algorithm, which materialises the full N^3 P^2 logit tensor: form
+    ``sum-naive``), ``conv`` (``Conv2d`` with a ``patch_size`` kernel) and ``gconv`` (lifting /
+    group convolution on ``group``). Models: ``name`` is a model name of ``symattn train
+    model=...`` with ``overrides`` of its config. GSA layers and nets run their attention core
+    on ``attention_backend``: auto (the device's default) | cpp | triton | triton_tiles | torch
+    | dense. Choices and defaults: :mod:`symattn_cli.options`. The authors' net:
     ``name`` is the model it stands beside (``r8_sa``), ``group`` its group, ``overrides``
     ``{"code": <path of a checkout of github.com/dwromero/g_selfatt>}``.
     """
@@ -79,16 +87,14 @@ class Case:
     name: str = "gsa"
     group: str = "z2"
     lifting: bool = False
-    query_form: str = "sum"
+    query_form: str = DEFAULT_QUERY_FORM
     patch_size: int | None = 5  # None: global attention
     image_size: int = 28
     batch: int = 2
     channels: int = 20
     heads: int = 9
-    group_index: str = (
-        "gevit"  # GSA layers and nets: pair | gevit (the default) | relative | shifted
-    )
-    attention_backend: str = "auto"  # GSA layers and nets: the attention core's backend
+    group_index: str = DEFAULT_GROUP_INDEX  # GSA layers and nets
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND  # GSA layers and nets
     overrides: dict[str, Any] = field(default_factory=dict)
     # models: config folders besides the shipped ones (a user's --config-dir), file://<dir>
     search_path: list[str] = field(default_factory=list)
@@ -116,14 +122,18 @@ class Case:
     @property
     def label(self) -> str:
         size = f"{self.image_size}px b{self.batch}"
-        patch = "global" if self.patch_size is None else f"P{self.patch_size}"
-        backend = f" {self.attention_backend}" if self.attention_backend != "auto" else ""
+        patch = GLOBAL if self.patch_size is None else f"P{self.patch_size}"
+        backend = (
+            f" {self.attention_backend}"
+            if self.attention_backend != DEFAULT_ATTENTION_BACKEND
+            else ""
+        )
         if self.kind == "authors":
             return f"authors {self.name} {patch} {size}"
         if self.kind == "model":
             extra = "".join(f" {k}={v}" for k, v in sorted(self.overrides.items()))
             if self.attends:  # GSA-Nets: their form, neighbourhood and group index matter
-                index = "" if self.group_index == "gevit" else f" {self.group_index}"
+                index = "" if self.group_index == DEFAULT_GROUP_INDEX else f" {self.group_index}"
                 extra = f" {self.query_form} {patch}{index}{extra}"
             return f"{self.name}{extra}{backend} {size}"
         index = f" {self.group_index}" if self.name == "gsa" and not self.lifting else ""

@@ -11,7 +11,7 @@ authors' net, the model of ours it stands beside), ``family`` (gsa | conv | gcon
 P (attention neighbourhood or kernel side; :data:`GLOBAL_P` = 0 for global attention, as the
 column is numeric), ``image_size``, ``batch``,
 ``channels``, ``heads``, ``attention_backend`` (the one asked for; a measured row holds the one
-that ran: cpp | triton | torch, empty without attention).
+that ran: cpp | triton | triton_tiles | torch | dense, empty without attention).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 from symattn_cli.bench.measure import Case
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import group_option
+from symattn_cli.options import BACKENDS, DEFAULT_ATTENTION_BACKEND, GLOBAL, QUERY_FORMS
 
 # The GSA-Net issue's figures for the reference implementation: rotMNIST model (5x5, 20
 # channels, 9 heads), fp32, forward + backward, 2-core CPU. group -> (seconds, GB peak RSS).
@@ -40,7 +41,7 @@ GLOBAL_P = 0  # the ``patch_size`` column of a global-attention row (cases: patc
 
 def shown(column: str, value: Any) -> Any:
     """A column's value as printed: ``global`` for the patch size of global attention."""
-    return "global" if column == "patch_size" and value == GLOBAL_P else value
+    return GLOBAL if column == "patch_size" and value == GLOBAL_P else value
 
 
 @dataclass
@@ -101,8 +102,9 @@ def quick_cases() -> list[Case]:
 
 
 def index_cases() -> list[Case]:
-    """The group term's index: sum-form layers with each index and the single form, per group,
-    at the rotMNIST width on a 12x12 map (the ratios over ``relative`` come with them)."""
+    """The group term's index: sum-form layers with each exact index (not ``shifted``, the
+    negative control) and the single form, per group, at the rotMNIST width on a 12x12 map
+    (the ratios over ``relative`` come with them)."""
     cases = []
     for group in ("r4", "r8", "r8m"):
         for index in ("relative", "gevit", "pair"):
@@ -117,9 +119,9 @@ def default_cases() -> list[Case]:
         forms = ("lifting", "sum") if group == "z2" else ("lifting", "sum", "single")
         cases += [gsa_layer(group, form) for form in forms]
     for patch in (3, 7, 9, None):  # vs neighbourhood (None = global, on the 12x12 map)
-        cases += [gsa_layer("r8", form, patch=patch) for form in ("sum", "single")]
+        cases += [gsa_layer("r8", form, patch=patch) for form in QUERY_FORMS]
     for side in (6, 8, 24):  # vs image side (the rotMNIST net's maps: 24, 12, 8, 6)
-        cases += [gsa_layer("r8", form, side=side) for form in ("sum", "single")]
+        cases += [gsa_layer("r8", form, side=side) for form in QUERY_FORMS]
     cases += [gsa_layer("r8", "sum", batch=b) for b in (1, 8)]  # vs batch
     for group in ("r4", "r8"):  # the reference's algorithm (full N^3 P^2 logits), same sizes
         naive = replace(gsa_layer(group, "sum"), attention_backend="dense", group_index="relative")
@@ -178,8 +180,9 @@ PRESETS: dict[str, Preset] = {
         Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=3, warmup=1),
-        Preset("index", "sum-form r4/r8/r8m layers with each group index (relative, gevit, "
-               "pair) and the single form, side by side", index_cases, repeats=5, warmup=2),
+        Preset("index", "sum-form r4/r8/r8m layers with each exact group index (relative, "
+               "gevit, pair; not shifted) and the single form, side by side", index_cases,
+               repeats=5, warmup=2),
         Preset("gpu", "rotMNIST r8 net (both forms), z2 net and CNN at batches 8, 32, 128: "
                "train-step throughput and memory, for device=cuda", gpu_cases, repeats=10,
                warmup=3),
@@ -211,7 +214,6 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
                     heads=9)  # fmt: skip
     elif case.kind == "model":
         from symattn_cli.configs.compose import user_search_path
-        from symattn_cli.models.gsa_net import GLOBAL
         from symattn_cli.models.instantiate import family_of, model_config
 
         search_path = user_search_path()
@@ -225,7 +227,7 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
             option = GLOBAL if case.patch_size is None else case.patch_size
             overrides.update(group=case.group, query_form=case.query_form, patch_size=option,
                              group_index=case.group_index)  # fmt: skip
-            if case.attention_backend != "auto":
+            if case.attention_backend != DEFAULT_ATTENTION_BACKEND:
                 overrides.update(attention_backend=case.attention_backend)
             group, form, patch = case.group, case.query_form, case.patch_size
             channels, heads = config["channels"] or 20, config["heads"] or 9
@@ -286,7 +288,6 @@ def select_cases(
     sizes (a side P, or ``global``), and every attention case's backend, to each value given
     (a product); drop duplicates, keep the order."""
     from symattn_cli.models.gsa_net import patch_size_option
-    from symattn_cli.nn.gsa.core import BACKENDS
 
     check_names(models, layers)
     bad = [name for name in attention_backends if name not in BACKENDS]
@@ -341,8 +342,8 @@ def naive_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def index_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Time and memory of a sum-form layer with a v-dependent group index (``pair``,
-    ``gevit``) over the same layer with ``relative``, measured in the same run:
+    """Time and memory of a sum-form layer with a v-dependent exact group index (``pair``,
+    ``gevit``; not ``shifted``) over the same layer with ``relative``, measured in the same run:
     ``<group>_<index>_{train,forward}_{time,mem}_ratio``."""
     return _ratios(rows, lambda r: r["form"] == "sum" and r.get("group_index") in ("pair", "gevit"),
                    None, ("group_index",))  # fmt: skip

@@ -89,7 +89,7 @@ class BenchmarkConfig:
     batch_sizes: list[int] = field(default_factory=list)
     image_sizes: list[int] = field(default_factory=list)
     patch_sizes: list[Any] = field(default_factory=list)  # odd sides P, or global
-    # GSA layers and nets once per attention backend: auto | cpp | triton | torch
+    # GSA layers and nets once per attention backend: auto | cpp | triton | triton_tiles | torch
     attention_backends: list[str] = field(default_factory=list)
     count_flops: bool = True
     arch: int = 90  # preset=gpu-static: the compute capability compiled for (90: H100, 80: A100)

@@ -11,21 +11,26 @@ from symattn_cli.configs.data import (
     DATA_IN_CHANNELS,
     DATA_NUM_CLASSES,
 )
+from symattn_cli.options import (
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_GROUP_INDEX,
+    DEFAULT_NORM,
+    DEFAULT_QUERY_FORM,
+)
 
 
 @dataclass
 class GSANetConfig:
     """GSA-Net options; architecture values left empty (0, null, []) come from the preset
-    of ``arch`` (auto: the one the data suggests: rotmnist | cifar10 | pcam)."""
+    of ``arch`` (auto: the one the data suggests: rotmnist | cifar10 | pcam). The choices and
+    defaults of ``query_form``, ``group_index``, ``norm``, ``attention_backend`` and the word
+    ``global`` of ``patch_size`` are :mod:`symattn_cli.options`."""
 
     _target_: str = "symattn_cli.models.gsa_net.build"
     group: str = "z2"  # z2 | z4 (r4) | r8 | r12 | r16 | mirror (z2m) | z4m (r4m) | r8m
     arch: str = DATA_ARCH  # auto | rotmnist | cifar10 | pcam; by default the data's
-    query_form: str = "sum"  # sum (GSA-Nets Eq. 16) | single (one query per element)
-    # the group term's index (docs/gsa-nets.md): pair | gevit (exact, see the group axis),
-    # relative (exact, blind to the group axis in the sum form), shifted (the reference's, not
-    # equivariant: a negative control)
-    group_index: str = "gevit"  # the layer's DEFAULT_GROUP_INDEX
+    query_form: str = DEFAULT_QUERY_FORM  # sum (GSA-Nets Eq. 16) | single
+    group_index: str = DEFAULT_GROUP_INDEX  # pair | gevit | relative | shifted
     channels: int = 0
     heads: int = 0
     block_sizes: list[int] = field(default_factory=list)
@@ -39,12 +44,12 @@ class GSANetConfig:
     input_dropout: float = 0.0
     pool_dropout: float = 0.0
     input_pool: int = 1  # average-pool the input by this factor first (CPU presets)
-    norm: str = "layer"  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
+    norm: str = DEFAULT_NORM  # layer (the reference's GroupNorm(1, C)) | batch (BatchNorm3d)
     checkpointing: bool = True  # torch backend: recompute attention in the backward (memory)
     chunk_elements: int = 0  # torch backend: numbers in its largest chunk tensor; 0 = auto
-    # auto (the C++ kernel on CPU, the Triton kernel on CUDA), cpp, triton, or torch (plain
-    # PyTorch: any device, the fallback)
-    attention_backend: str = "auto"
+    # the attention core's backend: auto | cpp | triton | triton_tiles | torch, or dense (the
+    # reference algorithm)
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
     in_channels: int = DATA_IN_CHANNELS
     num_classes: int = DATA_NUM_CLASSES
     image_size: int = DATA_IMAGE_SIZE  # checks that the crops leave a map

@@ -21,10 +21,18 @@ from torch import nn
 
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import Group, get_group
-from symattn_cli.nn.gsa import DEFAULT_GROUP_INDEX, GroupSelfAttention
+from symattn_cli.nn.gsa import GroupSelfAttention
 from symattn_cli.nn.pointwise import Pointwise3d
 from symattn_cli.nn.pooling import GroupPool
 from symattn_cli.nn.positional import Swish
+from symattn_cli.options import (
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_GROUP_INDEX,
+    DEFAULT_NORM,
+    DEFAULT_QUERY_FORM,
+    GLOBAL,
+    NORMS,
+)
 
 # Paper / reference architectures (GSA-Nets App. F); the crops of "pcam" differ from the
 # reference ([0, 2, 1, 1]) so that every pooled map is even: 96-48-48-24-20-20-10-8-4.
@@ -45,9 +53,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         input_dropout=0.0, pool_dropout=0.0,
     ),
 }  # fmt: skip
-
-
-NORMS = ("layer", "batch")
 
 
 def layer_norm(channels: int) -> nn.Module:
@@ -91,7 +96,7 @@ class GSABlock(nn.Module):
         out_channels: int,
         crop_size: int = 0,
         value_dropout: float = 0.0,
-        norm: str = "layer",
+        norm: str = DEFAULT_NORM,
     ) -> None:
         super().__init__()
         hidden = max(out_channels // 2, 1)
@@ -133,7 +138,7 @@ class GSANet(nn.Module):
         crops: Sequence[int] = (2, 0, 2, 1, 1),
         heads: int = 9,
         patch_size: int | None = 5,
-        query_form: str = "sum",
+        query_form: str = DEFAULT_QUERY_FORM,
         attention_dropout: float = 0.1,
         value_dropout: float = 0.1,
         input_dropout: float = 0.0,
@@ -143,10 +148,10 @@ class GSANet(nn.Module):
         input_pool: int = 1,
         checkpointing: bool = True,
         chunk_elements: int = 0,
-        attention_backend: str = "auto",
+        attention_backend: str = DEFAULT_ATTENTION_BACKEND,
         group_index: str = DEFAULT_GROUP_INDEX,
         init_gain: float = 2**0.5,
-        norm: str = "layer",
+        norm: str = DEFAULT_NORM,
     ) -> None:
         super().__init__()
         if len(expansion) != len(block_sizes):
@@ -271,8 +276,6 @@ def resolve_arch(options: dict[str, Any]) -> str:
 _EMPTY = (None, 0, [], ())
 _PRESET_KEYS = tuple(k for k in ARCHITECTURES["rotmnist"] if k != "patch_size")
 
-GLOBAL = "global"  # the one spelling of global attention in configs and on the command line
-
 
 def patch_size_option(value: Any, option: str, also: str = "") -> int | None:
     """A patch size as users write it -> the layer's ``patch_size``: a side P (P x P local
@@ -314,15 +317,15 @@ def build(*, in_channels: int, num_classes: int, image_size: int = 0, **options:
         group=get_group(options.get("group", "z2")),
         in_channels=in_channels,
         num_classes=num_classes,
-        query_form=options.get("query_form", "sum"),
+        query_form=options.get("query_form", DEFAULT_QUERY_FORM),
         attention_dropout=options.get("attention_dropout", 0.1),
         value_dropout=options.get("value_dropout", 0.1),
         input_pool=options.get("input_pool", 1),
         checkpointing=options.get("checkpointing", True),
         chunk_elements=options.get("chunk_elements", 0),
-        attention_backend=options.get("attention_backend", "auto"),
+        attention_backend=options.get("attention_backend", DEFAULT_ATTENTION_BACKEND),
         group_index=options.get("group_index", DEFAULT_GROUP_INDEX),
-        norm=options.get("norm", "layer"),
+        norm=options.get("norm", DEFAULT_NORM),
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()},
     )
     if image_size > 0:

@@ -10,15 +10,18 @@ import torch
 
 import symattn_cli.nn as public
 from symattn_cli.groups import get_group
-from symattn_cli.nn.gsa.layer import (
+from symattn_cli.nn.gsa.layer import GroupSelfAttention, LiftingSelfAttention
+from symattn_cli.nn.pooling import GROUP_REDUCTIONS, SPATIAL_REDUCTIONS, GroupPool
+from symattn_cli.options import (
     ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_GROUP_INDEX,
+    DEFAULT_POSITION,
+    DEFAULT_QUERY_FORM,
     GROUP_INDEX,
     POSITION_KINDS,
     QUERY_FORMS,
-    GroupSelfAttention,
-    LiftingSelfAttention,
 )
-from symattn_cli.nn.pooling import GROUP_REDUCTIONS, SPATIAL_REDUCTIONS, GroupPool
 from tests.helpers import REPO
 
 API = (REPO / "docs" / "api.md").read_text()
@@ -43,10 +46,16 @@ def test_the_public_names_are_the_layers_the_brief_asks_for():
 
 
 def test_the_docstrings_list_each_options_choices():
-    """The choices are declared once, in the layers' modules; the docstrings name them all."""
+    """The choices are declared once (symattn_cli.options, the pooling module); the docstrings
+    name them all (the package's other texts: tests/test_options.py)."""
     gsa = GroupSelfAttention.__doc__
     for choice in (*QUERY_FORMS, *GROUP_INDEX, *POSITION_KINDS, *ATTENTION_BACKENDS):
         assert f'"{choice}"' in gsa, choice
+    for choice in POSITION_KINDS:
+        assert f'"{choice}"' in LiftingSelfAttention.__doc__, choice
+    for default in (DEFAULT_QUERY_FORM, DEFAULT_GROUP_INDEX, DEFAULT_POSITION,
+                    DEFAULT_ATTENTION_BACKEND):  # fmt: skip
+        assert f'``"{default}"`` (default' in gsa, default  # the default it marks is the module's
     for choice in GROUP_REDUCTIONS + tuple(c for c in SPATIAL_REDUCTIONS if c):
         assert f'"{choice}"' in GroupPool.__doc__, choice
 

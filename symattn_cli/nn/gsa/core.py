@@ -23,9 +23,10 @@ two ordinary softmaxes:
 so out(i, v) = sum_(j, g) beta[v, j, g] W[j, g] with W[j, g] = sum_m pi[j, m, g] val[j, m].
 The reference's (V, G, J, M) logits per query never exist.
 
-A group index that sees v (``pair``, ``gevit``, ``shifted``; :mod:`.layer`) gives group logits
-gl[v, m, g], so pi, lse and beta carry v too: pi[v, j, m, g] = softmax_m(c + gl[v]) and beta =
-softmax_j(s[v] + lse[v]). The probabilities are then mixed over g before the values,
+A group index that sees v (``pair``, ``gevit``, ``shifted``; not ``relative``, g^-1 m;
+:mod:`.layer`) gives group logits gl[v, m, g], so pi, lse and beta carry v too: pi[v, j, m, g] =
+softmax_m(c + gl[v]) and beta = softmax_j(s[v] + lse[v]). The probabilities are then mixed
+over g before the values,
 
     P[v, j, m] = sum_g beta[v, j, g] pi[v, j, m, g]
     out(i, v)  = sum_(j, m) P[v, j, m] val[j, m]
@@ -42,9 +43,9 @@ Attention dropout zeroes entries of pi (shared by every v) by a keep mask that i
 (seed, z, i, j, m, g) (:func:`~symattn_cli.nn.gsa.common.keep_mask`): every backend draws the
 same mask, in any order, and the backward redraws it instead of storing it.
 
-Backends, one file each in this package, named after the option that picks it; this file
-(the dispatcher, :func:`factorised_attention`, ``backend="auto"``) hands them plain tensors and
-values, and none imports it:
+Backends (:data:`symattn_cli.options.BACKENDS`), one file each in this package, named after
+the option that picks it; this file (the dispatcher, :func:`factorised_attention`,
+``backend="auto"``) hands them plain tensors and values, and none imports it:
   ``cpp``     (:mod:`.cpp`, ``cpp_kernel.cpp``) the fused CPU kernel: per tile of queries,
               logits, both softmaxes and the value sums in cache, the group logits gathered
               from q . emb[r] (G R per query) by the index, never as a (V, M, G) tensor per
@@ -85,9 +86,8 @@ import torch
 from symattn_cli.nn.gsa import cpp, triton, triton_tiles
 from symattn_cli.nn.gsa.common import DROP_STEPS, deterministic_mode
 from symattn_cli.nn.gsa.torch import torch_attention
-
-FORMS = ("sum", "single")
-BACKENDS = ("auto", "cpp", "triton", "triton_tiles", "torch")
+from symattn_cli.options import BACKENDS
+from symattn_cli.options import QUERY_FORMS as FORMS
 
 
 def group_logits(q: torch.Tensor, group_rho: torch.Tensor | None, single: bool = False):

@@ -57,22 +57,26 @@ import torch
 from torch import nn
 
 from symattn_cli.groups import Group, grid_coordinates
-from symattn_cli.nn.gsa.core import BACKENDS, factorised_attention
+from symattn_cli.nn.gsa.core import factorised_attention
 from symattn_cli.nn.gsa.dense import dense_attention, dense_weights
 from symattn_cli.nn.pointwise import Pointwise2d, pointwise
 from symattn_cli.nn.positional import RelativePositionEncoding
 
-QUERY_FORMS = ("sum", "single")
+# the options' choices and defaults (re-exported here for the layer's users)
+from symattn_cli.options import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_GROUP_INDEX,
+    DEFAULT_POSITION,
+    DEFAULT_QUERY_FORM,
+    GROUP_INDEX,
+    POSITION_KINDS,
+    QUERY_FORMS,
+)
+
 # Numbers in the largest chunk tensor of the torch backend: cache-sized on CPU, large on GPUs
 # where every operation is a kernel launch.
 AUTO_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 26}
-GROUP_INDEX = ("pair", "gevit", "relative", "shifted")
-# the shipped default: exact, sees the group axis, N rows (chosen by measurement: docs/results.md)
-DEFAULT_GROUP_INDEX = "gevit"
-# ``attention_backend``: a backend of the core, or ``"dense"``, the reference algorithm with its
-# full (V, G, J, M) logits per query (for inspection and benchmarks).
-ATTENTION_BACKENDS = (*BACKENDS, "dense")
-POSITION_KINDS = ("relative", "none")
 
 
 class GroupSelfAttention(nn.Module):
@@ -133,15 +137,15 @@ class GroupSelfAttention(nn.Module):
         head_dim: int | None = None,
         patch_size: int | None = 5,
         lifting: bool = False,
-        query_form: str = "sum",
+        query_form: str = DEFAULT_QUERY_FORM,
         attention_dropout: float = 0.0,
-        position: str = "relative",
+        position: str = DEFAULT_POSITION,
         position_hidden: int = 16,
         max_offset: float | None = None,
         group_index: str = DEFAULT_GROUP_INDEX,
         checkpointing: bool = True,
         chunk_elements: int = 0,
-        attention_backend: str = "auto",
+        attention_backend: str = DEFAULT_ATTENTION_BACKEND,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
@@ -520,12 +524,12 @@ class LiftingSelfAttention(GroupSelfAttention):
         head_dim: int | None = None,
         patch_size: int | None = 5,
         attention_dropout: float = 0.0,
-        position: str = "relative",
+        position: str = DEFAULT_POSITION,
         position_hidden: int = 16,
         max_offset: float | None = None,
         checkpointing: bool = True,
         chunk_elements: int = 0,
-        attention_backend: str = "auto",
+        attention_backend: str = DEFAULT_ATTENTION_BACKEND,
     ) -> None:
         super().__init__(
             group=group, in_channels=in_channels, out_channels=out_channels, heads=heads,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -78,6 +77,11 @@ class Group:
     def __post_init__(self) -> None:
         if self.rotations < 1:
             raise ValueError(f"rotations={self.rotations} must be a positive integer")
+        # The tables, built once, as plain attributes: torch.compile reads them as constants
+        # (a cached property takes a lock it cannot trace).
+        object.__setattr__(self, "_tables", {})
+        for name in ("cayley", "inverse", "relative", "_matrices64"):
+            self._tables[name] = getattr(self, f"_build{name if name[0] == '_' else '_' + name}")()
 
     # ------------------------------------------------------------------ elements
     @property
@@ -129,30 +133,42 @@ class Group:
     # The tables are CPU tensors, built once. Indexing a tensor on another device with them is
     # fine (torch moves the index); ``device="cpu"`` is explicit so that a table first built
     # under another default device (``with torch.device(...)``) is not cached there.
-    @cached_property
+    @property
     def cayley(self) -> torch.Tensor:
         """``(N, N)`` long tensor, ``cayley[a, b]`` = index of ``a b``."""
-        n = self.order
-        rows = [[self.multiply(a, b) for b in range(n)] for a in range(n)]
-        return torch.tensor(rows, device="cpu")
+        return self._tables["cayley"]
 
-    @cached_property
+    @property
     def inverse(self) -> torch.Tensor:
         """``(N,)`` long tensor, ``inverse[a]`` = index of ``a^-1``."""
-        return torch.tensor([self.invert(a) for a in range(self.order)], device="cpu")
+        return self._tables["inverse"]
 
-    @cached_property
+    @property
     def relative(self) -> torch.Tensor:
         """``(N, N)`` long tensor ``relative[g, m]`` = index of ``g^-1 m``.
 
         Invariant under ``(g, m) -> (u g, u m)``: the argument of the group positional
         encoding that makes group self-attention exactly equivariant.
         """
+        return self._tables["relative"]
+
+    @property
+    def _matrices64(self) -> torch.Tensor:
+        return self._tables["_matrices64"]
+
+    def _build_cayley(self) -> torch.Tensor:
+        n = self.order
+        rows = [[self.multiply(a, b) for b in range(n)] for a in range(n)]
+        return torch.tensor(rows, device="cpu")
+
+    def _build_inverse(self) -> torch.Tensor:
+        return torch.tensor([self.invert(a) for a in range(self.order)], device="cpu")
+
+    def _build_relative(self) -> torch.Tensor:
         return self.cayley[self.inverse]  # (N, N): row g is g^-1 composed with every m
 
     # ------------------------------------------------------------------ actions
-    @cached_property
-    def _matrices64(self) -> torch.Tensor:
+    def _build_matrices64(self) -> torch.Tensor:
         """``(N, 2, 2)`` float64 on the CPU: ``R^k M^s`` with M = diag(-1, 1), so each entry
         is +-cos or +-sin of the angle, exactly, and casting to another dtype rounds each
         entry once, as building it in that dtype would."""

@@ -150,6 +150,15 @@ class PairPooledActivation(torch.autograd.Function):
         return da, db, dc, None, None
 
 
+def pair_pooled_activation(a, b, c, r, activation):
+    """:class:`PairPooledActivation` in eager mode; under torch.compile the same sum written
+    whole, (B, h, n, n, n, H) at once, which the compiler differentiates and may fuse."""
+    if not torch.compiler.is_compiling():
+        return PairPooledActivation.apply(a, b, c, r, activation)
+    act = activation(a[:, :, :, None, None] + (b[:, :, None, :, None] + c[:, :, None, None, :]))
+    return torch.einsum("bk,bhkijw->bhijw", r.to(a.dtype), act)
+
+
 class HeadwiseMLP(nn.Module):
     """A one-hidden-layer network per head on a concatenation of broadcastable arguments.
 
@@ -582,7 +591,7 @@ class PermutationCoefficients(nn.Module):
         # ψ₂: hidden (B, h, n_k, n_i, n_j, H)
         a, b, c = self.psi2.project(y, y, y)
         a = a + self.psi2.bias[:, None, :]
-        all_k = PairPooledActivation.apply(a, b, c, real, act2)  # (B, h, n_i, n_j, H)
+        all_k = pair_pooled_activation(a, b, c, real, act2)  # (B, h, n_i, n_j, H)
         at_i = act2((a + b)[:, :, :, None] + c[:, :, None, :])  # (B, h, n_i, n_j, H): k = i
         at_j = act2(b[:, :, :, None] + (a + c)[:, :, None, :])  # k = j
         hidden2 = all_k - r_i[..., None] * at_i - r_j[..., None] * at_j

@@ -33,6 +33,7 @@ class TrainSettings:
     deterministic: bool = True
     progress: str = "auto"  # auto | rich | plain | none
     profile: bool = False  # profile the run: wall time per part of the step, profile.md
+    compile: bool = False  # torch.compile the model (its attention kernels are registered ops)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the bad value and the fix."""

@@ -164,6 +164,8 @@ class Trainer:
         if self.world.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        if settings.compile:  # one graph per mode (train, eval); the weights stay self.model's
+            self.net = torch.compile(self.net)
         self.run_file = run_file
         self.tracker = tracker
         self.progress = progress or Progress("none")

@@ -137,7 +137,7 @@ def backend_for(device, dtype=torch.float32, backend: str = "auto", grouped: boo
     device = torch.device(device)
     if device.type == "cuda" and triton.available() and deterministic_mode() != "strict":
         return "triton_tiles" if grouped else "triton"
-    if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.load():
+    if device.type == "cpu" and dtype in (torch.float32, torch.float64) and cpp.available():
         return "cpp"
     return "torch"
 
@@ -307,8 +307,9 @@ def factorised_attention(
                 q, k, v, group_rho, rho, offsets, neighbour, valid, form=form, n=n, drop=drop,
                 chunk=chunk, recompute=recompute, backend=backend, group_index=group_index,
             )  # fmt: skip
-    hooks = _HOOKS.get()
-    if hooks is not None:  # a recording or overriding block is active
+    # a recording or overriding block is active (eager only: torch.compile traces past them)
+    hooks = None if torch.compiler.is_compiling() else _HOOKS.get()
+    if hooks is not None:
         backend = hooks.backend or backend
         recompute = recompute if hooks.recompute is None else hooks.recompute
     which = backend_for(q.device, q.dtype, backend, grouped=q.shape[2] > 1 or k.shape[2] > 1)
@@ -323,7 +324,9 @@ def factorised_attention(
     threshold = round(drop * DROP_STEPS)
     drop = threshold / DROP_STEPS
     # One seed per call, drawn from torch's generator: torch.manual_seed fixes the masks.
-    seed = int(torch.randint(1 << 62, (), device="cpu")) if drop > 0 else 0
+    seed = (
+        torch.randint(1 << 62, (), device="cpu") if drop > 0 else torch.zeros((), dtype=torch.int64)
+    )
     single = form == "single"
     if which == "cpp":  # the kernel gathers the group logits from a table and an index
         if group_rho is not None and group_index is None:  # every (v, g, m) its own row
@@ -331,6 +334,7 @@ def factorised_attention(
             group_rho = group_rho.reshape(-1, group_rho.shape[-1])
         return cpp.cpp_attention(q, k, v, group_rho, group_index, rho, offsets, neighbour,
                                  valid, single, n, threshold, seed)  # fmt: skip
+    seed = int(seed)
     if group_rho is not None and group_index is not None:
         group_rho = group_rho[group_index]
     # the tiled kernel forms the group logits from the encoding; the others take them

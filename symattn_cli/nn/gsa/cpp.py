@@ -192,31 +192,83 @@ def _build(
         notice.cancel()
 
 
-class CppAttention(torch.autograd.Function):
-    """The kernel's forward and backward as an autograd function on the kernel's layouts,
-    channels, then the group axis, then points: q (Z, d, G, L), k and v (Z, d, M, Lkv), the
-    group embedding emb (R, c) and its index (1 or V, G, M), out (Z, d, V, L); see
-    :func:`cpp_attention`."""
+# The kernel as registered torch operators (``torch.ops.symattn.gsa_cpp_forward`` and
+# ``gsa_cpp_backward``), on the kernel's layouts, channels, then the group axis, then points:
+# q (Z, d, G, L), k and v (Z, d, M, Lkv), the group embedding emb (R, c) and its index (1 or
+# V, G, M), out (Z, d, V, L); see :func:`cpp_attention`. Registered ops with shape functions
+# and a registered backward are opaque to torch.compile, which traces a net around them in
+# one graph. ``seed`` is a 0-d int64 tensor, so that drawing it stays in the graph.
 
-    @staticmethod
-    def forward(ctx, q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
-                seed):  # fmt: skip
-        args = (offsets, neighbour, valid, single, n, threshold, seed)
-        ctx.save_for_backward(q, k, v, emb, rho)
-        ctx.index = index
-        ctx.args = args
-        with torch.profiler.record_function("gsa.kernel.forward"):  # named in profiles
-            return load().forward(q, k, v, emb, index, rho, *args)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, emb, rho = ctx.saved_tensors
-        with torch.profiler.record_function("gsa.kernel.backward"):
-            dq, dk, dv, demb, drho = load().backward(
-                grad_out.contiguous(), q, k, v, emb, ctx.index, rho, *ctx.args
-            )
-        return dq, dk, dv, demb, None, drho, *(None,) * 7
+@torch.library.custom_op("symattn::gsa_cpp_forward", mutates_args=(), device_types="cpu")
+def kernel_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, emb: torch.Tensor | None,
+    index: torch.Tensor | None, rho: torch.Tensor | None, offsets: torch.Tensor | None,
+    neighbour: torch.Tensor, valid: torch.Tensor | None, single: bool, n: int, threshold: int,
+    seed: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    with torch.profiler.record_function("gsa.kernel.forward"):  # named in profiles
+        return load().forward(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n,
+                              threshold, int(seed))  # fmt: skip
+
+
+@kernel_forward.register_fake
+def _(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold, seed):
+    return q.new_empty((q.shape[0], q.shape[1], n, q.shape[3]))
+
+
+@torch.library.custom_op("symattn::gsa_cpp_backward", mutates_args=(), device_types="cpu")
+def kernel_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    emb: torch.Tensor | None, index: torch.Tensor | None, rho: torch.Tensor | None,
+    offsets: torch.Tensor | None, neighbour: torch.Tensor, valid: torch.Tensor | None,
+    single: bool, n: int, threshold: int, seed: torch.Tensor,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``[dq, dk, dv, demb, drho]``; an empty tensor for an absent emb or rho."""
+    with torch.profiler.record_function("gsa.kernel.backward"):
+        grads = load().backward(grad_out.contiguous(), q, k, v, emb, index, rho, offsets,
+                                neighbour, valid, single, n, threshold, int(seed))  # fmt: skip
+    return [g if g is not None else q.new_empty(0) for g in grads]
+
+
+@kernel_backward.register_fake
+def _(grad_out, q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
+      seed):  # fmt: skip
+    absent = q.new_empty(0)
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            absent if emb is None else torch.empty_like(emb),
+            absent if rho is None else torch.empty_like(rho)]  # fmt: skip
+
+
+def _save(ctx, inputs, output) -> None:
+    *tensors, single, n, threshold, seed = inputs
+    ctx.save_for_backward(*tensors, seed)
+    ctx.args = (single, n, threshold)
+    ctx.present = (inputs[3] is not None, inputs[5] is not None)  # emb, rho
+
+
+def _backward(ctx, grad_out):
+    q, k, v, emb, index, rho, offsets, neighbour, valid, seed = ctx.saved_tensors
+    dq, dk, dv, demb, drho = kernel_backward(grad_out, q, k, v, emb, index, rho, offsets,
+                                             neighbour, valid, *ctx.args, seed)  # fmt: skip
+    has_emb, has_rho = ctx.present
+    return (dq, dk, dv, demb if has_emb else None, None, drho if has_rho else None,
+            *(None,) * 7)  # fmt: skip
+
+
+torch.library.register_autograd("symattn::gsa_cpp_forward", _backward, setup_context=_save)
+
+
+def _rescales() -> bool:
+    """Whether the loaded kernel applies the dropout's 1 / (1 - drop) itself (a kernel of an
+    older revision, loaded by :func:`using`, may not)."""
+    return bool(getattr(load(), "rescales_dropout", False))
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernel is built (or can be) in this process; a constant to torch.compile."""
+    return load() is not None
 
 
 def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
@@ -242,11 +294,13 @@ def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n
         if index.dim() == 3 and single:  # g = v: the diagonal, (G, M)
             index = torch.diagonal(index, dim1=0, dim2=1).T
         index = (index if index.dim() == 3 else index.unsqueeze(0)).to(torch.long).contiguous()
-    out = CppAttention.apply(
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64)
+    out = kernel_forward(
         points_last(q), points_last(k), points_last(v), flat(emb), index if emb is not None
         else None, flat(rho), flat(offsets), flat(neighbour), flat(valid), single, n,
         threshold, seed,
     )  # fmt: skip
-    if threshold and not getattr(load(), "rescales_dropout", False):  # an older kernel's build
+    if threshold and not torch.compiler.is_compiling() and not _rescales():  # an older build
         out = out * (1.0 / (1.0 - threshold / DROP_STEPS))
     return out.permute(0, 3, 2, 1)  # (Z, L, V, d)

@@ -60,7 +60,9 @@ from symattn_cli.options import (
     GLOBAL,
 )
 
-MODES = ("train", "forward")
+# train: forward + backward; forward: inference; step: forward + backward + Adam, the
+# training step, with its time per part (:data:`symattn_cli.train.profile.PARTS`)
+MODES = ("train", "forward", "step")
 LAYERS = ("gsa", "conv", "gconv")
 MB = 1e6
 
@@ -96,6 +98,9 @@ class Case:
     group_index: str = DEFAULT_GROUP_INDEX  # GSA layers and nets
     attention_backend: str = DEFAULT_ATTENTION_BACKEND  # GSA layers and nets
     overrides: dict[str, Any] = field(default_factory=dict)
+    # models: group, form, neighbourhood and index as the model's config has them (True), or
+    # as this case sets them (False: the rotMNIST nets of the presets, swept over those axes)
+    configured: bool = False
     # models: config folders besides the shipped ones (a user's --config-dir), file://<dir>
     search_path: list[str] = field(default_factory=list)
 
@@ -340,6 +345,21 @@ def _step_fn(module: Any, x: Any, loss_fn: Callable[[Any], Any], mode: str) -> C
             with torch.no_grad():
                 module(x_in)
 
+    elif mode == "step":
+        module.train()
+        optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad])
+        record = torch.profiler.record_function
+
+        def step() -> None:  # the trainer's ranges, so that a profile splits it the same way
+            with record("train.forward"):
+                loss = loss_fn(module(x))
+            with record("train.backward"):
+                loss.backward()
+            with record("train.optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            x.grad = None
+
     else:
         module.train()
 
@@ -349,6 +369,23 @@ def _step_fn(module: Any, x: Any, loss_fn: Callable[[Any], Any], mode: str) -> C
             x.grad = None
 
     return step
+
+
+def step_parts(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
+    """Seconds per step in each part of the training step (attention kernel forward and
+    backward, 1x1 projections, layout copies, norms and activations, other step operators,
+    optimizer), from a profile of ``steps`` steps; profiling slows each operator a little,
+    so the parts say where the time goes, the timed median what it is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from symattn_cli.train.profile import charge, main_thread_spans
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    parts = charge(main_thread_spans(prof))
+    return {part: seconds / steps for part, seconds in parts.items() if seconds > 0}
 
 
 def _sync(device: Any) -> Callable[[], None]:
@@ -507,6 +544,9 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         for key, value in summarize_times(times, cpu).items():
             row[f"{mode}_{key}"] = value
         row[f"{mode}_items_per_s"] = case.batch / row[f"{mode}_time_s"]  # images or sequences
+        if mode == "step":  # where the step's time goes, per part: step_part_<part>_s
+            for part, seconds in step_parts(step).items():
+                row[f"step_part_{part.replace(' ', '_')}_s"] = seconds
     if settings.kernel_baseline and "cpp" in row["attention_backend"]:
         row.update(against_baseline(module, x, loss_fn, settings, sync))
     if not memory.resettable:  # only the first mode's peak is its own

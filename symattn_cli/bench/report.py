@@ -30,7 +30,7 @@ def cases_table(rows: Sequence[dict[str, Any]], modes: Sequence[str]):
     table.add_column("case", no_wrap=True)
     table.add_column("params", justify="right")
     for mode in modes:
-        short = "fwd+bwd" if mode == "train" else "fwd"
+        short = {"train": "fwd+bwd", "forward": "fwd", "step": "step"}[mode]
         for name in ("s", "cpu s", "img/s", "MB", "FLOPs", "%GEMM"):
             table.add_column(f"{short} {name}", justify="right", no_wrap=True)
     for row in rows:
@@ -178,4 +178,37 @@ def static_lines_table(rows: Sequence[dict[str, Any]], title: str):
         table.add_row(row["kernel"], f"{row['file']}:{row['line']}" if row["line"] else "",
                       row["text"], number(100 * row["share"], ".1f"),
                       number(row["issue_ms"], ".3f"))  # fmt: skip
+    return table
+
+
+STEP_PARTS = (  # the parts of a training step, as symattn_cli.train.profile names them
+    "attention kernel forward", "attention kernel backward", "1x1 projections",
+    "layout copies", "norms and activations", "other step operators", "optimizer",
+)  # fmt: skip
+
+
+def step_table(rows: Sequence[dict[str, Any]], baseline: str):
+    """The training step of each case (median ms) as a ratio over ``baseline``'s (a row's
+    ``name`` without overrides), and where its time goes, ms per part (from a profile)."""
+    from rich.table import Table
+
+    base = next((r for r in rows if r.get("name") == baseline and r.get("status") == "ok"
+                 and "step_time_s" in r and "=" not in r["label"]), None)  # fmt: skip
+    table = Table(title=f"training step (forward, backward, Adam): median ms, ratio over "
+                        f"{baseline}, and ms per part (profiled)")  # fmt: skip
+    for column in ("case", "params", "ms", f"/ {baseline}", *STEP_PARTS):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for row in rows:
+        if row.get("status") != "ok" or "step_time_s" not in row:
+            continue
+        ratio = row["step_time_s"] / base["step_time_s"] if base else None
+        parts = [number(1e3 * row.get(f"step_part_{p.replace(' ', '_')}_s", 0.0), ".1f")
+                 for p in STEP_PARTS]  # fmt: skip
+        table.add_row(
+            row["label"],
+            number(row.get("params"), ",.0f"),
+            number(1e3 * row["step_time_s"], ".1f"),
+            number(ratio, ".2f"),
+            *parts,
+        )
     return table

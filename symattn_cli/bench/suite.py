@@ -73,7 +73,34 @@ def gsa_model(group: str, batch: int = REFERENCE_BATCH, form: str = "sum", patch
 
 
 def model(name: str, batch: int = REFERENCE_BATCH, **overrides: Any) -> Case:
-    return Case(kind="model", name=name, image_size=28, batch=batch, overrides=overrides)
+    """Model ``name`` as its config has it, with ``overrides``."""
+    return Case(kind="model", name=name, image_size=28, batch=batch, overrides=overrides,
+                configured=True)  # fmt: skip
+
+
+MATCHED_BATCH = 16  # the default trainer's batch
+
+
+def matched_cases() -> list[Case]:
+    """The matched set's training step (forward, backward, Adam): the baselines at 28x28, the
+    R4 and R8 GSA-Nets as shipped (input pooled to 14x14) and at 28x28 (input_pool=1)."""
+    cases = [model("gcnn_mini", MATCHED_BATCH), model("cnn_mini", MATCHED_BATCH)]
+    for name in ("r4_mini", "r8_mini"):
+        cases += [
+            model(name, MATCHED_BATCH, input_pool=2),
+            model(name, MATCHED_BATCH, input_pool=1),
+        ]
+    return cases
+
+
+def overview_cases() -> list[Case]:
+    """What a newcomer asks first: the default model's training step, one GSA layer per form
+    at the size of its first map (14x14, P=3, batch 16), and the R4 net at full resolution
+    beside the P4CNN."""
+    layers = [replace(gsa_layer("r4", form, patch=3, side=14, batch=MATCHED_BATCH),
+                      channels=16, heads=4) for form in ("lifting", "sum", "single")]  # fmt: skip
+    return [model("gsa_mini", MATCHED_BATCH), *layers, model("gcnn_mini", MATCHED_BATCH),
+            model("r4_mini", MATCHED_BATCH, input_pool=1)]  # fmt: skip
 
 
 def reference_cases() -> list[Case]:
@@ -177,7 +204,10 @@ PRESETS: dict[str, Preset] = {
                modes=("train",)),
         Preset("global", "global r8 layers (lifting, sum, single) on 28x28 maps, batch 1",
                global_cases, repeats=2, warmup=1),
-        Preset("default", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
+        Preset("default", "a minute: the default model's training step, a lifting and both "
+               "group-layer forms at its first map, r4_mini at 28x28 over gcnn_mini",
+               overview_cases, repeats=3, warmup=1, fresh_process=False, modes=("step",)),
+        Preset("sweep", "layers per group, P in {3,5,7,9,global}, both group-layer forms, "
                "image and batch sizes, conv / group conv / z2 SA baselines, whole networks",
                default_cases, repeats=3, warmup=1),
         Preset("index", "sum-form r4/r8/r8m layers with each exact group index (relative, "
@@ -189,6 +219,10 @@ PRESETS: dict[str, Preset] = {
         Preset("gpu-static", "the Triton kernels compiled for a GPU (arch=90) at the r8 net's "
                "sizes, batch 8: registers, occupancy, instructions, bounds; no GPU needed",
                gpu_static_cases, repeats=1, warmup=0),
+        Preset("matched", "the matched set's training step (forward, backward, Adam) at batch "
+               "16 on one thread: cnn_mini and gcnn_mini at 28x28, r4_mini and r8_mini at 14x14 "
+               "(as shipped) and 28x28 (input_pool=1), each over gcnn_mini, with its parts",
+               matched_cases, repeats=5, warmup=2, threads=1, modes=("step",)),
         Preset("quick", "seconds: tiny layers and a tiny CNN (tests)", quick_cases,
                repeats=3, warmup=1, threads=1, fresh_process=False),
     )
@@ -223,7 +257,13 @@ def resolve(case: Case) -> tuple[Case, dict[str, Any]]:
             raise ConfigError(f"model {case.name!r}: {err}".splitlines()[0]) from None
         family = family_of(config["_target_"])
         overrides = dict(case.overrides)
-        if family == "gsa":
+        if family == "gsa" and case.configured:
+            if case.attention_backend != DEFAULT_ATTENTION_BACKEND:
+                overrides.update(attention_backend=case.attention_backend)
+            group, form, patch = config["group"], config["query_form"], config["patch_size"]
+            patch = None if patch == GLOBAL else patch
+            channels, heads = config["channels"] or 20, config["heads"] or 9
+        elif family == "gsa":
             option = GLOBAL if case.patch_size is None else case.patch_size
             overrides.update(group=case.group, query_form=case.query_form, patch_size=option,
                              group_index=case.group_index)  # fmt: skip
@@ -305,8 +345,11 @@ def select_cases(
     cases = list(cases)
     batch = next((c.batch for c in cases if c.kind == "model"), 2)
     present = {c.name for c in cases if c.kind == "model"}
-    cases += [Case(kind="model", name=name, image_size=28, batch=batch)  # named, not preset
-              for name in models if name not in present]  # fmt: skip
+    cases += [
+        Case(kind="model", name=name, image_size=28, batch=batch, configured=True)
+        for name in models
+        if name not in present
+    ]  # named, not in the preset: as is
     out: list[Case] = []
     for case in cases:
         if wanted_groups and group_option(case.group) not in wanted_groups:
@@ -332,6 +375,17 @@ def select_cases(
     unique = {c.key(): c for c in reversed(out)}
     keys = list(dict.fromkeys(c.key() for c in out))
     return [unique[k] for k in keys]
+
+
+def step_ratios(rows: Sequence[dict[str, Any]], baseline: str) -> dict[str, float]:
+    """Each case's training step over ``baseline``'s (the row of that model as configured):
+    ``<label>_step_ratio``."""
+    base = next((r for r in rows if r.get("name") == baseline and r.get("status") == "ok"
+                 and "step_time_s" in r and "=" not in r["label"]), None)  # fmt: skip
+    if base is None:
+        return {}
+    return {f"{r['label']}_step_ratio": r["step_time_s"] / base["step_time_s"]
+            for r in rows if r.get("status") == "ok" and "step_time_s" in r}  # fmt: skip
 
 
 def naive_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

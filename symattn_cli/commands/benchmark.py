@@ -4,8 +4,11 @@
 batch 2, fp32, forward + backward) and prints the ratios to the reference implementation:
 the authors' nets measured beside ours from a checkout of their code (``reference_code``),
 else their published figures;
-``preset=default`` sweeps group order, neighbourhood, image and batch size, both group-layer
-forms and the convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
+``preset=default`` (no arguments) answers in about a minute: the default model's training
+step, one layer per form, and the R4 net at full resolution over the P4CNN; ``preset=matched``
+times the matched set's training step at 14x14 and 28x28 with its parts; ``preset=sweep``
+sweeps group order, neighbourhood, image and batch size, both group-layer forms and the
+convolutional baselines; ``preset=gpu device=cuda`` measures the r8 net's
 training-step throughput (images per second) and memory at batches 8, 32 and 128 beside the
 z2 net and the plain CNN (``attention_backends=[auto,triton,torch]``: each GSA net with each
 attention backend named); ``preset=gpu-static`` needs no GPU: it compiles the Triton kernels
@@ -135,11 +138,14 @@ def run_cases(cases, infos, settings, *, fresh: bool, timeout: float) -> list[di
     return rows
 
 
+MODE_NAMES = {"train": "fwd+bwd", "forward": "fwd", "step": "step"}
+
+
 def _line(row: dict[str, Any], modes) -> str:
     if row["status"] != "ok":
         return f"{row['label']}: {row['status']}: {row['error']}"
     parts = [
-        f"{'fwd+bwd' if m == 'train' else 'fwd'} {row[f'{m}_time_s']:.4f} s "
+        f"{MODE_NAMES[m]} {row[f'{m}_time_s']:.4f} s "
         f"(cpu {row[f'{m}_cpu_s']:.4f} s) {row[f'{m}_mem_mb']:.1f} MB"
         + (
             f", {row[f'{m}_time_vs_baseline']:.3f}x the baseline kernel's time"
@@ -164,6 +170,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         naive_comparison,
         resolve,
         select_cases,
+        step_ratios,
         with_authors,
     )
 
@@ -262,6 +269,7 @@ def benchmark(cfg: Any) -> dict[str, Any]:
         "load_avg_end": os.getloadavg()[0],
     }
     summary.update(naive_comparison(rows))
+    summary.update(step_ratios(rows, "gcnn_mini"))
     summary.update(index_comparison(rows))
     for row in reference:
         summary[f"{row['group']}_time_ratio"] = row["time_ratio"]
@@ -297,6 +305,8 @@ def benchmark(cfg: Any) -> dict[str, Any]:
 
     console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
     console.print(report.cases_table(rows, settings.modes))
+    if "step" in settings.modes:
+        console.print(report.step_table(rows, "gcnn_mini"))
     if fits:
         console.print(report.fits_table(fits))
     naive = {k: v for k, v in summary.items() if "_naive_" in k}

@@ -76,7 +76,8 @@ class BenchmarkConfig:
     (``[triton,torch]``: the Triton kernel against the plain PyTorch core on the same GPU).
     """
 
-    preset: str = "default"  # reference | default | index | gpu | gpu-static | global | quick
+    # default | matched | sweep | reference | index | global | gpu | gpu-static | quick
+    preset: str = "default"
     device: str = "cpu"  # cpu | cuda | cuda:<index>
     repeats: int | None = None  # timed steps per mode (median and spread over these)
     warmup: int | None = None  # untimed steps first

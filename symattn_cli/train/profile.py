@@ -128,7 +128,7 @@ def charge(roots: list[Span]) -> dict[str, float]:
     return out
 
 
-def _main_thread(prof) -> list[Span]:
+def main_thread_spans(prof) -> list[Span]:
     """The spans of the thread that ran the training loop (the one with the most phase
     ranges), read from the profiler's raw events: seconds for a run's million events, where
     building torch's event objects takes minutes."""
@@ -166,7 +166,7 @@ def profiled(directory: Path, *, enabled: bool) -> Iterator[None]:
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
-    parts = charge(_main_thread(prof))
+    parts = charge(main_thread_spans(prof))
     parts["setup, test and figures"] += max(wall - sum(parts.values()), 0.0)
     text = format_profile(parts, wall, cpu)
     (directory / PROFILE_FILE).write_text(text)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from symattn_cli.bench.measure import Case, Settings, measure_case, measure_fresh
 from symattn_cli.bench.suite import (
@@ -122,7 +123,7 @@ def test_gpu_preset_is_the_r8_net_in_both_forms_beside_its_baselines_per_batch()
 
 
 def test_select_cases_filters_and_sets_axes():
-    cases = PRESETS["default"].cases()
+    cases = PRESETS["sweep"].cases()
     only_r8 = select_cases(cases, groups=["r8"], layers=["gsa"])
     assert only_r8 and all(c.group == "r8" and c.kind == "layer" for c in only_r8)
     models = select_cases(cases, models=["r4_sa"], batch_sizes=[1, 4])
@@ -147,7 +148,7 @@ def test_select_cases_filters_and_sets_axes():
 def test_global_attention_is_spelled_global_in_patch_sizes():
     """``patch_sizes=[3,global]``: global cases hold ``patch_size=None`` (as the layer does),
     their model override and label say global, their table row holds P = 0."""
-    cases = PRESETS["default"].cases()
+    cases = PRESETS["sweep"].cases()
     chosen = select_cases(cases, groups=["r8"], models=["r8_sa"], patch_sizes=[3, "global"])
     assert {c.patch_size for c in chosen} == {3, None}
     wide = next(c for c in chosen if c.patch_size is None)
@@ -373,8 +374,8 @@ def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
     assert int(logged["benchmark/fits/nrows"]) == len(fits["axis"])
 
 
-def test_unknown_preset_is_one_line_and_exit_2(workdir: Path):
-    result = run_symattn(
+def test_unknown_preset_is_one_line_and_exit_2(symattn, workdir: Path):
+    result = symattn(
         "benchmark", "preset=fastest", "logger.mode=disabled", f"hydra.run.dir={workdir}",
         cwd=workdir,
     )  # fmt: skip
@@ -385,12 +386,12 @@ def test_unknown_preset_is_one_line_and_exit_2(workdir: Path):
     assert not (workdir / "run.h5").exists()
 
 
-def test_attention_backends_option_measures_each_backend(workdir: Path):
+def test_attention_backends_option_measures_each_backend(symattn, workdir: Path):
     """One command compares backends on one device: here the C++ kernel and the plain PyTorch
     core on the CPU (on a GPU: ``attention_backends=[triton,torch]``)."""
     out = workdir / "backends"
     backends = ["cpp", "torch"] if gsa_cpp.enabled() else ["torch"]
-    result = run_symattn(
+    result = symattn(
         "benchmark", "preset=quick", "groups=[z2]", "layers=[gsa]",
         f"attention_backends=[{','.join(backends)}]", "repeats=1", "warmup=0",
         "count_flops=false", "plot=false", "logger.mode=disabled", f"hydra.run.dir={out}",
@@ -403,10 +404,10 @@ def test_attention_backends_option_measures_each_backend(workdir: Path):
     assert np.all(cases["train_items_per_s"] > 0)
 
 
-def test_gpu_preset_on_the_cpu_says_what_it_costs_and_reports_throughput(workdir: Path):
+def test_gpu_preset_on_the_cpu_says_what_it_costs_and_reports_throughput(symattn, workdir: Path):
     """Narrowed to the CNN at batch 1 (seconds); the note names the way out."""
     out = workdir / "gpu"
-    result = run_symattn(
+    result = symattn(
         "benchmark", "preset=gpu", "models=[cnn]", "batch_sizes=[1]", "repeats=1", "warmup=0",
         "count_flops=false", "plot=false", "logger.mode=disabled", f"hydra.run.dir={out}",
         cwd=workdir,
@@ -416,3 +417,37 @@ def test_gpu_preset_on_the_cpu_says_what_it_costs_and_reports_throughput(workdir
     assert "fwd+bwd img/s" in result.stdout
     cases = read_table(out / "run.h5", "cases")
     assert cases["name"].tolist() == ["cnn"] and np.all(cases["train_items_per_s"] > 0)
+
+
+def test_the_matched_preset_times_the_set_at_both_resolutions_over_the_p4cnn():
+    from symattn_cli.bench.suite import PRESETS, resolve, step_ratios
+
+    preset = PRESETS["matched"]
+    assert preset.modes == ("step",) and preset.threads == 1
+    infos = [resolve(case)[1] for case in preset.cases()]
+    assert [i["label"] for i in infos] == [
+        "gcnn_mini 28px b16", "cnn_mini 28px b16",
+        "r4_mini input_pool=2 28px b16", "r4_mini input_pool=1 28px b16",
+        "r8_mini input_pool=2 28px b16", "r8_mini input_pool=1 28px b16",
+    ]  # fmt: skip
+    # the nets as configured: their own group and neighbourhood, not the case's defaults
+    assert [(i["group"], i["patch_size"]) for i in infos[2:4]] == [("z4", 3), ("z4", 3)]
+    rows = [dict(info, status="ok", step_time_s=t) for info, t in
+            zip(infos, (0.05, 0.01, 0.06, 0.2, 0.15, 0.8), strict=True)]  # fmt: skip
+    ratios = step_ratios(rows, "gcnn_mini")
+    assert ratios["gcnn_mini 28px b16_step_ratio"] == 1.0
+    assert abs(ratios["r4_mini input_pool=1 28px b16_step_ratio"] - 4.0) < 1e-12
+
+
+def test_a_training_step_is_split_into_its_parts():
+    """The step mode: forward, backward and Adam, profiled by part; the parts of a GSA net's
+    step include both kernel ranges and the optimizer."""
+    from symattn_cli.bench.measure import Case, _step_fn, build_case, step_parts
+
+    case = Case(kind="model", name="gsa_mini", image_size=28, batch=2, configured=True,
+                overrides={"channels": 8, "heads": 2})  # fmt: skip
+    module, x, loss = build_case(case, torch.device("cpu"))
+    before = [p.detach().clone() for p in module.parameters()]
+    parts = step_parts(_step_fn(module, x, loss, "step"), steps=1)
+    assert {"attention kernel forward", "attention kernel backward", "optimizer"} <= set(parts)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

@@ -159,6 +159,7 @@ class Settings:
     seed: int = 0
     omp_wait_policy: str = ""  # for fresh processes: "" (library default) | passive | active
     kernel_baseline: str = ""  # a C++ kernel source to time ours against, step by step
+    compile: bool = False  # torch.compile each case's module (warm-up steps compile it)
 
 
 # ---------------------------------------------------------------- building a case
@@ -525,6 +526,13 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     init_mb = prime_runtime(device)
     gemm = matmul_gflops(device=device)
     module, x, loss_fn = build_case(case, device)
+    compile_s = 0.0
+    if settings.compile:  # the first step compiles: timed apart, as start-up
+        module = torch.compile(module)
+        started = time.perf_counter()
+        for mode in settings.modes:
+            _step_fn(module, x, loss_fn, mode)()
+        compile_s = time.perf_counter() - started
     memory = CudaMemory(device) if device.type == "cuda" else CpuMemory()
     sync = _sync(device)
     row: dict[str, Any] = {
@@ -535,6 +543,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "attention_backend": _attention_backend(module, device),
         "device": str(device),
+        "compile_s": compile_s,
     }
     for mode in settings.modes:
         step = _step_fn(module, x, loss_fn, mode)
@@ -552,7 +561,7 @@ def _measure(case: Case, settings: Settings, budget: int) -> dict[str, Any]:
     if not memory.resettable:  # only the first mode's peak is its own
         for mode in settings.modes[1:]:
             row[f"{mode}_mem_mb"] = float("nan")
-    if settings.count_flops and case.kind != "authors":  # theirs: time and memory only
+    if settings.count_flops and case.kind != "authors" and not settings.compile:
         for mode in settings.modes:
             try:  # without recomputation a big case may not fit: keep its timings anyway
                 flops = count_flops(_step_fn(module, x, loss_fn, mode))

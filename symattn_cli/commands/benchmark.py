@@ -64,6 +64,7 @@ def _settings(cfg: Any, preset: Any):
         count_flops=cfg.count_flops,
         seed=cfg.seed,
         omp_wait_policy=cfg.omp_wait_policy,
+        compile=cfg.compile,
     )
     if cfg.omp_wait_policy.lower() not in ("passive", "active", ""):
         raise ConfigError(

@@ -108,6 +108,7 @@ class BenchmarkConfig:
     # kernels of that revision, each reported beside today's
     kernel_baseline: str = ""
     case_timeout: float = 600.0  # seconds per case (fresh processes only)
+    compile: bool = False  # torch.compile every case (its first steps, compiling: compile_s)
     seed: int = 0
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plot: bool = True

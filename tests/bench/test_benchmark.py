@@ -451,3 +451,15 @@ def test_a_training_step_is_split_into_its_parts():
     parts = step_parts(_step_fn(module, x, loss, "step"), steps=1)
     assert {"attention kernel forward", "attention kernel backward", "optimizer"} <= set(parts)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+@pytest.mark.slow
+def test_a_compiled_case_times_its_compilation_apart():
+    from symattn_cli.bench.measure import Case, Settings, measure_case
+
+    case = Case(kind="model", name="cnn", image_size=28, batch=2, configured=True,
+                overrides={"channels": [4, 8]})  # fmt: skip
+    row = measure_case(case, Settings(repeats=2, warmup=1, threads=1, modes=("step",),
+                                      compile=True))  # fmt: skip
+    assert row["compile_s"] > 0 and row["step_time_s"] > 0
+    assert "step_flops" not in row  # FLOPs are counted on eager modules only

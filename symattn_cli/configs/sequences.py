@@ -42,6 +42,10 @@ class SequenceDataConfig:
     max_digits: int = 10
     test_longer_min_len: int = 0  # addition test_longer digits; 0 = test_max_len + 1
     test_longer_max_len: int = 0  # 0 = 5 * max_digits
+    test_100_digits: int = 100  # addition test_100: operands of exactly this many digits; 0: none
+    num_test_100: int = 300
+    test_1000_digits: int = 1000  # addition test_1000: likewise; 0: none
+    num_test_1000: int = 300
     reverse_answer: bool = True  # addition: answer least significant digit first
     decoding: str = "one_pass"  # addition: one_pass (all slots at once) | causal
     num_symbols: int = 10  # sort / reverse alphabet (digits 0..num_symbols-1)

@@ -21,7 +21,10 @@ read at the ``_`` slots; ``targets`` is :data:`IGNORE_INDEX` everywhere else.
   [min_digits, max_digits] for train / validation / test (split by a seeded hash of the
   expression, as for sort), from [test_min_len, test_max_len] (default 11–30) for
   ``test_long`` and [test_longer_min_len, test_longer_max_len] (default 31–50) for
-  ``test_longer``: disjoint from training by their lengths. ``decoding=causal`` writes the
+  ``test_longer``, and exactly ``test_100_digits`` (default 100) and ``test_1000_digits``
+  (default 1000) digits for ``test_100`` and ``test_1000`` (``num_test_100`` /
+  ``num_test_1000`` problems each; a length of 0 drops the split): disjoint from training by
+  their lengths. ``decoding=causal`` writes the
   answer for teacher forcing: the first answer position holds ``_``, each later one the answer
   digit before it (targets unchanged); the model must then read the answer causally
   (``DataSpec.causal_answer``) and decode greedily at evaluation.
@@ -232,6 +235,18 @@ def build_addition(options: dict[str, Any]) -> DataBundle:
     counts = {k: int(options.get(k) or 0) for k in ("num_train", "num_val", "num_test")}
     counts["num_test_long"] = int(options.get("num_test_long") or counts["num_test"])
     counts["num_test_longer"] = int(options.get("num_test_longer") or counts["num_test"])
+    fixed = {}  # test_100 / test_1000: operands of exactly that many digits
+    for split, default in (("test_100", 100), ("test_1000", 1000)):
+        digits = int(options.get(f"{split}_digits", default) or 0)
+        if digits == 0:
+            continue
+        if digits <= train_len[1]:
+            raise DataError(
+                f"data.{split}_digits={digits} must be above data.max_digits={train_len[1]} "
+                f"(or 0 to drop {split})"
+            )
+        fixed[split] = (digits, digits)
+        counts[f"num_{split}"] = int(options.get(f"num_{split}") or 300)
     for key, value in counts.items():
         if value < 1:
             raise DataError(f"data.{key}={value} must be positive for addition")
@@ -248,6 +263,8 @@ def build_addition(options: dict[str, Any]) -> DataBundle:
             rng, counts["num_test_longer"], longer_len, seed, *whole, "test_longer"
         ),
     }
+    for split, lengths in fixed.items():  # drawn last: the other splits stay as they were
+        pairs[split] = _draw_sums(rng, counts[f"num_{split}"], lengths, seed, *whole, split)
     reverse_answer = bool(options.get("reverse_answer", True))
     causal = decoding == "causal"
     data = {
@@ -256,7 +273,7 @@ def build_addition(options: dict[str, Any]) -> DataBundle:
         )
         for k, v in pairs.items()
     }
-    extra = {"test_long": data["test_long"], "test_longer": data["test_longer"]}
+    extra = {k: v for k, v in data.items() if k.startswith("test_")}
     return _bundle(
         data["train"],
         data["val"],

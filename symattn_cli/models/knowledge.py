@@ -33,7 +33,10 @@ K share one learned value, so pairs farther apart than any training sequence hol
 "far", as the pairs at K + 1 … 10 did in training. ``relative_window`` masks those pairs
 instead: an indexed token reads the indexed tokens within K of its index and the tokens
 without one, a window whose size does not grow with the length. The term and the mask are
-functions of the indices alone: invariant, the law above is unchanged.
+functions of the indices alone: invariant, the law above is unchanged. In evaluation the
+window is computed over listed pairs (:func:`window_rows`): each indexed query's keys are
+found by sorting the indices, so no (n, n) tensor is built and a pass costs O(n) in the
+length; the few tokens without an index read every key as before.
 
 Causal answers (``DataSpec.causal_answer``): answer position t holds the answer token before
 it (teacher forcing in training); a prompt token reads the prompt only, an answer token the
@@ -65,6 +68,7 @@ from symattn_cli.nn.knowledge import (
     IndexTablePosition,
     InnerProductScore,
     KnowledgeAttention,
+    KeyRows,
     KnowledgeBlock,
     LearnedPosition,
     PermutationCoefficients,
@@ -146,11 +150,68 @@ def relative_buckets(index: torch.Tensor, answer: torch.Tensor, span: int) -> to
     + [i in the answer]) ∈ [0, 4w), and 4w where c_i or c_j is 0 (a token without an index).
     ``index`` (B, n) int64: the coupled index c; ``answer`` (B, n) bool.
     """
+    return pair_buckets(index[:, :, None], index[:, None, :], answer[:, :, None],
+                        answer[:, None, :], span)  # fmt: skip
+
+
+def pair_buckets(c_q, c_k, answer_q, answer_k, span: int) -> torch.Tensor:
+    """The buckets of :func:`relative_buckets` for broadcastable query and key indices
+    ``c_q``, ``c_k`` (int64) and answer flags ``answer_q``, ``answer_k`` (bool)."""
     width = 2 * span + 1
-    diff = (index[:, None, :] - index[:, :, None]).clamp(-span, span) + span  # (B, n_j, n_i)
-    part = 2 * answer[:, :, None].long() + answer[:, None, :].long()  # (B, n_j, n_i)
-    unindexed = (index[:, None, :] == 0) | (index[:, :, None] == 0)  # (B, n_j, n_i)
+    diff = (c_k - c_q).clamp(-span, span) + span
+    part = 2 * answer_q.long() + answer_k.long()
+    unindexed = (c_k == 0) | (c_q == 0)
     return torch.where(unindexed, 4 * width, diff + width * part)
+
+
+def pair_attend(pos_q, pos_k, answer_q, answer_k, real_k, causal: bool) -> torch.Tensor:
+    """Whether query pos_q reads key pos_k (broadcastable): a real key; with ``causal``, a
+    prompt key, or an answer key no later than an answer query."""
+    if not causal:
+        return real_k
+    return (real_k & ~answer_k) | (answer_q & answer_k & (pos_k <= pos_q))
+
+
+def window_rows(
+    index: torch.Tensor, answer: torch.Tensor, real: torch.Tensor, *, span: int, causal: bool
+) -> list[KeyRows]:
+    """The pairs of the relative window (``relative_window``) as :class:`KeyRows`, in O(n·m).
+
+    Two lists: every indexed query with the tokens without an index and the indexed keys whose
+    index is within ``span`` of its own (found by sorting the indices and bisecting, m ≤
+    unindexed + all tokens of 2·span + 1 indices), and the few tokens without an index, each
+    with every key. The pairs, causal rule and buckets are those of the dense layout.
+    ``index`` (B, n) int64, ``answer`` and ``real`` (B, n) bool.
+    """
+    bsz, n = index.shape
+    pos = torch.arange(n, device=index.device).expand(bsz, n)  # (B, n)
+    last = int(index.max()) + span + 1  # sorts padding after every window
+    order_key = torch.where(real, index, last)  # (B, n): unindexed, then by index, padding
+    sorted_key, order = order_key.sort(dim=-1, stable=True)  # (B, n)
+    unindexed = (real & (index == 0)).sum(-1)  # (B,)
+    u = int(unindexed.max())
+    lo = torch.searchsorted(sorted_key, (index - span).clamp_min(1))  # (B, n)
+    hi = torch.searchsorted(sorted_key, index + span, right=True)  # (B, n)
+    indexed_q = real & (index > 0)  # (B, n)
+    m = int(torch.where(indexed_q, hi - lo, 0).max())
+    slots = lo[..., None] + torch.arange(m, device=index.device)  # (B, n, m)
+    band = order.gather(1, slots.clamp_max(n - 1).flatten(1)).view(bsz, n, m)  # (B, n, m)
+    in_band = slots < hi[..., None]  # (B, n, m)
+    first = order[:, :u]  # (B, u): the tokens without an index
+    first_valid = torch.arange(u, device=index.device) < unindexed[:, None]  # (B, u)
+    keys = torch.cat([first[:, None].expand(bsz, n, u), band], -1)  # (B, n, u + m)
+    valid = torch.cat([first_valid[:, None].expand(bsz, n, u), in_band], -1)  # (B, n, u + m)
+    rows = [(pos, keys, valid & indexed_q[..., None]), (first, pos[:, None].expand(bsz, u, n),
+            first_valid[..., None].expand(bsz, u, n))]  # fmt: skip
+    out = []
+    for query, key, ok in rows:
+        c_q, c_k = index.gather(1, query)[..., None], index.gather(1, key.flatten(1)).view_as(key)
+        a_q = answer.gather(1, query)[..., None]  # (B, r, 1)
+        a_k = answer.gather(1, key.flatten(1)).view_as(key)  # (B, r, m)
+        r_k = real.gather(1, key.flatten(1)).view_as(key)
+        ok = ok & pair_attend(query[..., None], key, a_q, a_k, r_k, causal)
+        out.append(KeyRows(query, key, ok, pair_buckets(c_q, c_k, a_q, a_k, span)))
+    return out
 
 
 def relative_bucket_count(span: int) -> int:
@@ -168,6 +229,7 @@ class Layout:
     index: torch.Tensor | None  # (B, n) coupled index of an indexed position, else None
     answer: torch.Tensor | None  # (B, n) True in the answer (indexed or causal), else None
     buckets: torch.Tensor | None = None  # (B, n, n) relative index buckets, else None
+    rows: list[KeyRows] | None = None  # listed window pairs in place of attend and buckets
 
 
 class KnowledgeSeq2Seq(nn.Module):
@@ -211,7 +273,11 @@ class KnowledgeSeq2Seq(nn.Module):
         self.relative_span = relative_span  # K of the relative index scores; 0: none
         self.relative_window = relative_window  # indexed keys beyond K are not read
 
-    def layout(self, tokens: torch.Tensor, position_shift: int = 0) -> Layout:
+    def layout(
+        self, tokens: torch.Tensor, position_shift: int = 0, windowed: bool = False
+    ) -> Layout:
+        """What ``tokens`` fix; ``windowed`` (``relative_window`` only): the window's pairs as
+        :func:`window_rows` lists instead of (B, n, n) masks and buckets."""
         real = tokens != self.pad_index  # (B, n)
         index = answer = None
         if self.indexer is not None or self.causal:
@@ -228,6 +294,9 @@ class KnowledgeSeq2Seq(nn.Module):
                 index = index + offset * (index > 0)
             if position_shift:
                 index = index + position_shift * (index > 0)
+        if windowed:
+            rows = window_rows(index, answer, real, span=self.relative_span, causal=self.causal)
+            return Layout(real, real, real.sum(-1), index, answer, rows=rows)
         attend = real  # (B, n), or (B, n, n) per query
         if self.causal:
             pos = torch.arange(tokens.shape[1], device=tokens.device)
@@ -243,22 +312,78 @@ class KnowledgeSeq2Seq(nn.Module):
             attend = (attend if attend.dim() == 3 else attend[:, None, :]) & ~far
         return Layout(real, attend, real.sum(-1), index, answer, buckets)
 
-    def logits(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """One pass: (B, n) tokens under ``layout`` → logits (B, n, V)."""
+    def embed(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """x (B, n, d): token embeddings plus the position encoding."""
         x = self.embedding.t()[tokens]  # (B, n, d): columns E[:, token] as rows
         if layout.index is not None:
             if self.position is not None:  # position=relative: the index reaches the scores only
                 x = x + self.position(layout.index)  # (B, n, d)
         elif self.position is not None:
             x = x + self.position(layout.lengths, tokens.shape[1])  # (B, n, d)
-        for block in self.blocks:
-            x = block(x, layout.attend, buckets=layout.buckets)
+        return x
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, n, d) → logits (B, n, V): Eᵀ N(h) / √d + b."""
         h = self.final_norm(x)  # (B, n, d)
         logits = torch.einsum("bnd,dV->bnV", h, self.embedding) * self.readout_scale
         return logits + self.out_bias  # (B, n, V)
 
-    def forward(self, tokens: torch.Tensor, *, position_shift: int = 0) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """One pass: (B, n) tokens under ``layout`` → logits (B, n, V)."""
+        x = self.embed(tokens, layout)  # (B, n, d)
+        for block in self.blocks:
+            x = block(x, layout.attend, buckets=layout.buckets, rows=layout.rows)
+        return self.readout(x)
+
+    def _decode_windowed(self, inputs: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Greedy decoding over the window's listed pairs, one answer position per step.
+
+        One full pass with blank answers keeps every block's input; a prompt row reads the
+        prompt only, so it is final. Step s then recomputes, at every block, only answer
+        position a + s of each sequence (fed the prediction at a + s − 1) from its listed keys,
+        all at positions ≤ a + s and already final: exactly greedy decoding, each step
+        costing a window instead of a sequence.
+        """
+        band = layout.rows[0]  # every indexed query; answer tokens are indexed
+        x = self.embed(inputs, layout)  # (B, n, d)
+        states = [x]
+        for block in self.blocks:
+            x = block(x, layout.attend, rows=layout.rows)
+            states.append(x)
+        logits = self.readout(x)  # (B, n, V)
+        bsz, n = inputs.shape
+        pos = torch.arange(n, device=inputs.device).expand(bsz, n)  # (B, n)
+        first = torch.where(layout.answer, pos, n).amin(-1)  # (B,): the first answer position
+        count = layout.answer.sum(-1)  # (B,)
+        rows = torch.arange(bsz, device=inputs.device)  # (B,)
+        for step in range(1, int(count.max())):
+            live = step < count  # (B,)
+            t = torch.where(live, first + step, 0)  # (B,)
+            fed = torch.where(live, logits[rows, t - 1].argmax(-1), inputs[rows, t])  # (B,)
+            inputs[rows, t] = fed
+            at = t[:, None]  # (B, 1)
+            part = KeyRows(at, band.keys[rows, t][:, None], band.valid[rows, t][:, None],
+                           None if band.buckets is None else band.buckets[rows, t][:, None])  # fmt: skip
+            row_layout = Layout(layout.real, layout.real, layout.lengths,
+                                None if layout.index is None else layout.index[rows, t][:, None],
+                                None)  # fmt: skip
+            row = self.embed(fed[:, None], row_layout)  # (B, 1, d)
+            keep = live[:, None]  # (B, 1)
+            for level, block in enumerate(self.blocks):
+                states[level][rows, t] = torch.where(keep, row[:, 0], states[level][rows, t])
+                row = block.at_rows(states[level], part)  # (B, 1, d)
+            states[-1][rows, t] = torch.where(keep, row[:, 0], states[-1][rows, t])
+            logits[rows, t] = torch.where(keep, self.readout(row)[:, 0], logits[rows, t])
+        return logits
+
+    def forward(
+        self, tokens: torch.Tensor, *, position_shift: int = 0, windowed: bool | None = None
+    ) -> torch.Tensor:
         """Logits (B, n, V). Causal answers in evaluation: greedy decoding.
+
+        ``windowed`` (default: in evaluation with ``relative_window``) computes the window over
+        listed pairs (:func:`window_rows`); the logits of real tokens are those of the dense
+        masks. Padding positions read nothing there (their logits differ and are never read).
 
         Greedy decoding reads each answer input from the prediction one position earlier,
         never from ``tokens``. Iterating "inputs ← predictions shifted by one" from blank
@@ -267,12 +392,18 @@ class KnowledgeSeq2Seq(nn.Module):
         greedy answer. The loop stops at the fixed point (at most answer-length + 1 passes)
         and returns its logits, those of the greedy prefixes.
         """
-        layout = self.layout(tokens, position_shift)
+        if windowed is None:
+            windowed = self.relative_window and not self.training
+        if windowed and not self.relative_window:
+            raise ValueError("windowed=True needs a model built with relative_window")
+        layout = self.layout(tokens, position_shift, windowed)
         if not self.causal or self.training:
             return self.logits(tokens, layout)
         follows = torch.zeros_like(layout.answer)  # (B, n): answer inputs read from t − 1
         follows[:, 1:] = layout.answer[:, 1:] & layout.answer[:, :-1]
         inputs = torch.where(follows, self.slot_index, tokens)  # (B, n): blank answers
+        if windowed:
+            return self._decode_windowed(inputs, layout)
         for _ in range(int(layout.answer.sum(-1).max()) + 1):
             logits = self.logits(inputs, layout)
             shifted = torch.roll(logits.argmax(-1), 1, dims=1)  # (B, n): prediction at t − 1

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -241,9 +242,16 @@ class Invariants:
 
 
 class Score(nn.Module):
-    """Base of the score functions s(Y) (B, h, n, n) of the simplified form g(ZᵀX)."""
+    """Base of the score functions s(Y) (B, h, n, n) of the simplified form g(ZᵀX).
+
+    ``pairs(yq, yk)``: the same s for listed pairs only (windowed attention, :class:`KeyRows`):
+    query rows yq (B, h, r, k) and their keys yk (B, h, r, m, k) -> (B, h, r, m).
+    """
 
     embedding_axes: dict[str, tuple[int, ...]] = {}
+
+    def pairs(self, yq: torch.Tensor, yk: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} scores all tokens at once: no windowed form")
 
 
 class QuadraticScore(Score):
@@ -279,6 +287,10 @@ class QuadraticScore(Score):
         left = torch.einsum("bhjk,hkl->bhjl", y, self.form)  # (B, h, n, k)
         return self.scale * torch.einsum("bhjl,bhil->bhji", left, y)  # (B, h, n, n)
 
+    def pairs(self, yq: torch.Tensor, yk: torch.Tensor) -> torch.Tensor:
+        left = torch.einsum("bhrk,hkl->bhrl", yq, self.form)  # (B, h, r, k)
+        return self.scale * torch.einsum("bhrl,bhrml->bhrm", left, yk)  # (B, h, r, m)
+
 
 class InnerProductScore(Score):
     """s_ji = scale · y_jᵀ y_i: the inner-product kernel K(y_j, y_i) = σ(y_jᵀy_i) (Sec. 3.3)."""
@@ -289,6 +301,9 @@ class InnerProductScore(Score):
 
     def forward(self, inv: Invariants) -> torch.Tensor:
         return self.scale * torch.einsum("bhjk,bhik->bhji", inv.zx, inv.zx)  # (B, h, n, n)
+
+    def pairs(self, yq: torch.Tensor, yk: torch.Tensor) -> torch.Tensor:
+        return self.scale * torch.einsum("bhrk,bhrmk->bhrm", yq, yk)  # (B, h, r, m)
 
 
 class RBFScore(Score):
@@ -309,6 +324,13 @@ class RBFScore(Score):
         sq = (y * y).sum(-1)  # (B, h, n)
         cross = torch.einsum("bhjk,bhik->bhji", y, y)  # (B, h, n, n)
         dist2 = (sq[..., :, None] + sq[..., None, :] - 2 * cross).clamp_min(0)  # (B, h, n, n)
+        gamma = self.scale * self.log_gamma.exp()[None, :, None, None]  # (1, h, 1, 1)
+        return -gamma * dist2
+
+    def pairs(self, yq: torch.Tensor, yk: torch.Tensor) -> torch.Tensor:
+        sq_q, sq_k = (yq * yq).sum(-1), (yk * yk).sum(-1)  # (B, h, r), (B, h, r, m)
+        cross = torch.einsum("bhrk,bhrmk->bhrm", yq, yk)  # (B, h, r, m)
+        dist2 = (sq_q[..., None] + sq_k - 2 * cross).clamp_min(0)  # (B, h, r, m)
         gamma = self.scale * self.log_gamma.exp()[None, :, None, None]  # (1, h, 1, 1)
         return -gamma * dist2
 
@@ -338,6 +360,9 @@ class QuarticScore(QuadraticScore):
         left = torch.einsum("bhjk,bhko->bhjo", y, middle)  # (B, h, n, k)
         quartic = torch.einsum("bhjo,bhio->bhji", left, y)  # (B, h, n, n)
         return super().forward(inv) + self.scale * self.scale * quartic
+
+    def pairs(self, yq: torch.Tensor, yk: torch.Tensor) -> torch.Tensor:
+        return Score.pairs(self, yq, yk)  # the moment sums over every token
 
 
 def broadcast_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -604,6 +629,31 @@ class PermutationCoefficients(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class KeyRows:
+    """Listed (query, key) pairs: r query rows per sequence with m key slots each.
+
+    ``query`` (B, r) int64: the token of each row; ``keys`` (B, r, m) int64: its keys;
+    ``valid`` (B, r, m) bool: False at unused slots (a row without a valid slot contributes
+    nothing); ``buckets`` (B, r, m) int64 relative buckets, or None. Attention over listed
+    pairs equals the dense attention whose mask holds exactly these pairs, at each listed query,
+    without the (n, n) tensors (windowed attention: m does not grow with n). Functions of the
+    tokens only: invariant, the laws of :class:`KnowledgeAttention` are unchanged.
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    valid: torch.Tensor
+    buckets: torch.Tensor | None = None
+
+
+def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t (B, h, n, c) at token positions index (B, *s) -> (B, h, *s, c)."""
+    bsz, heads, _, c = t.shape
+    flat = index.reshape(bsz, 1, -1, 1).expand(-1, heads, -1, c)  # (B, h, Π s, c)
+    return t.gather(2, flat).reshape(bsz, heads, *index.shape[1:], c)
+
+
 class KnowledgeAttention(nn.Module):
     """Multi-head knowledge attention Σ_i W_i X g_i(Z_iᵀX) (Ma & Ying Eqs. 5.1, 5.3, Prop. 3.2).
 
@@ -675,10 +725,15 @@ class KnowledgeAttention(nn.Module):
         mask: torch.Tensor | None = None,
         knowledge: torch.Tensor | None = None,
         buckets: torch.Tensor | None = None,
+        rows: Sequence[KeyRows] | None = None,
     ) -> torch.Tensor:
         """``x`` (B, n, d) rows; ``mask`` (B, n) True at real tokens, or (B, n, n) True where
         query j reads key i (causal decoding); ``knowledge`` (B, m, d); ``buckets`` (B, n, n)
-        int64 in [0, relative): the relative term's bucket of each (query j, key i)."""
+        int64 in [0, relative): the relative term's bucket of each (query j, key i).
+        ``rows``: listed pairs instead of ``mask`` and ``buckets`` (:class:`KeyRows`; the
+        score-and-normaliser g without external knowledge); a query in no row gets 0."""
+        if rows is not None:
+            return self._listed(x, rows)
         bsz, n, _ = x.shape
         if mask is None:
             mask = torch.ones(bsz, n, dtype=torch.bool, device=x.device)
@@ -713,6 +768,57 @@ class KnowledgeAttention(nn.Module):
         values = torch.einsum("bhud,hvd->bhuv", values, self.w_value)  # (B, h, keys, v)
         mixed = torch.einsum("bhju,bhuv->bhjv", a, values)  # (B, h, n, v): (W_V X̃ g)ᵀ
         return torch.einsum("bhjv,hdv->bjd", mixed, self.w_out)  # (B, n, d): Σ_i W_i X̃ g_i
+
+    def _listed(self, x: torch.Tensor, rows: Sequence[KeyRows], chunk: int = 256) -> torch.Tensor:
+        """:meth:`forward` over listed pairs, ``chunk`` query rows at a time (bounded memory)."""
+        self._check_listed()
+        zx = torch.einsum("bnd,hdk->bhnk", x, self.z)  # (B, h, n, k): (Z_iᵀ X)ᵀ
+        values = torch.einsum("bnd,hvd->bhnv", x, self.w_value)  # (B, h, n, v)
+        out = torch.zeros_like(x)  # (B, n, d)
+        for part in rows:
+            for lo in range(0, part.query.shape[1], chunk):
+                query = part.query[:, lo : lo + chunk]  # (B, r)
+                keys = part.keys[:, lo : lo + chunk]  # (B, r, m)
+                buckets = None if part.buckets is None else part.buckets[:, lo : lo + chunk]
+                part_out = self._mix(
+                    _gather_tokens(zx, query),
+                    _gather_tokens(zx, keys),
+                    _gather_tokens(values, keys),
+                    part.valid[:, lo : lo + chunk],
+                    buckets,
+                )  # (B, r, d)
+                out = out.scatter_add(1, query[..., None].expand_as(part_out), part_out)
+        return out  # (B, n, d)
+
+    def at_rows(
+        self, xq: torch.Tensor, xk: torch.Tensor, valid: torch.Tensor, buckets=None
+    ) -> torch.Tensor:
+        """The output at r query rows from their own keys (incremental decoding): queries
+        ``xq`` (B, r, d), keys ``xk`` (B, r, m, d), ``valid`` and ``buckets`` (B, r, m) as in
+        :class:`KeyRows` -> (B, r, d), the rows :meth:`forward` gives over the same pairs."""
+        self._check_listed()
+        yq = torch.einsum("brd,hdk->bhrk", xq, self.z)  # (B, h, r, k)
+        yk = torch.einsum("brmd,hdk->bhrmk", xk, self.z)  # (B, h, r, m, k)
+        vk = torch.einsum("brmd,hvd->bhrmv", xk, self.w_value)  # (B, h, r, m, v)
+        return self._mix(yq, yk, vk, valid, buckets)
+
+    def _check_listed(self) -> None:
+        coef = self.coefficients
+        if self.external or not isinstance(coef, Coefficients) or coef.knowledge_keys:
+            raise ValueError("listed key rows need the score-and-normaliser g, no external knowledge")
+
+    def _mix(self, yq, yk, vk, valid, buckets) -> torch.Tensor:
+        """Queries yq (B, h, r, k), keys yk (B, h, r, m, k), values vk (B, h, r, m, v) ->
+        (B, r, d): Σ_i W_i X g_i over each row's valid keys."""
+        scores = self.coefficients.score.pairs(yq, yk)  # (B, h, r, m)
+        if self.relative_bias is not None:
+            if buckets is None:
+                raise ValueError("this layer was built with a relative term: pass its buckets")
+            scores = scores + self.relative_bias[:, buckets].transpose(0, 1)  # (B, h, r, m)
+        some = valid | ~valid.any(-1, keepdim=True)  # (B, r, m): empty rows stay finite
+        a = self.coefficients.normalizer(scores, some) * valid[:, None]  # (B, h, r, m)
+        mixed = torch.einsum("bhrm,bhrmv->bhrv", a, vk)  # (B, h, r, v)
+        return torch.einsum("bhrv,hdv->brd", mixed, self.w_out)  # (B, r, d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -768,7 +874,7 @@ class KnowledgeBlock(nn.Module):
     """h ← h + A(N(h)); h ← h + M(N(h)): one stacked layer of Sec. 5 with residual links.
 
     Shapes (B batch, n tokens, d embedding, m external knowledge vectors):
-    ``forward(x, mask=None, knowledge=None, buckets=None)``: ``(B, n, d) -> (B, n, d)``, the
+    ``forward(x, mask=None, knowledge=None, buckets=None, rows=None)``: ``(B, n, d) -> (B, n, d)``, the
     other arguments as :meth:`KnowledgeAttention.forward`.
 
     Law: equivariant with knowledge, ``rotate_embedding(block, Q)(x Qᵀ) = block(x) Qᵀ`` for
@@ -796,8 +902,20 @@ class KnowledgeBlock(nn.Module):
         self.norm2 = norm() if (norm is not None and mlp is not None) else nn.Identity()
         self.residual = residual
 
-    def forward(self, x, mask=None, knowledge=None, buckets=None):
-        update = self.attention(self.norm1(x), mask, knowledge, buckets)
+    def forward(self, x, mask=None, knowledge=None, buckets=None, rows=None):
+        update = self.attention(self.norm1(x), mask, knowledge, buckets, rows)
+        return self._finish(x, update)
+
+    def at_rows(self, x: torch.Tensor, rows: KeyRows) -> torch.Tensor:
+        """The block's output (B, r, d) at the rows ``rows.query`` of ``x`` (B, n, d) only,
+        from their listed keys: incremental decoding, one row per sequence at a time."""
+        flat = rows.keys.flatten(1)[..., None].expand(-1, -1, x.shape[-1])  # (B, r·m, d)
+        xk = x.gather(1, flat).view(*rows.keys.shape, x.shape[-1])  # (B, r, m, d)
+        xq = x.gather(1, rows.query[..., None].expand(-1, -1, x.shape[-1]))  # (B, r, d)
+        update = self.attention.at_rows(self.norm1(xq), self.norm1(xk), rows.valid, rows.buckets)
+        return self._finish(xq, update)
+
+    def _finish(self, x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         x = x + update if self.residual else update
         if self.mlp is not None:
             update = self.mlp(self.norm2(x))

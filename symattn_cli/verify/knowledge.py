@@ -330,6 +330,8 @@ def addition_example(*, causal: bool = False, reverse_answer: bool = True):
         "test_max_len": 12,
         "decoding": "causal" if causal else "one_pass",
         "reverse_answer": reverse_answer,
+        "test_100_digits": 0,
+        "test_1000_digits": 0,
     }
     bundle = build("addition", options, None)
     items = [bundle.test[i] for i in range(3)] + [
@@ -337,6 +339,29 @@ def addition_example(*, causal: bool = False, reverse_answer: bool = True):
     ]
     tokens, _ = bundle.collate(items)  # (6, n)
     return tokens, bundle.spec
+
+
+def long_addition_example(digits: int, *, count: int = 2, seed: int = 0) -> torch.Tensor:
+    """``count`` causal additions of two ``digits``-digit operands (tokens (count, n)), for the
+    checks of the windowed evaluation at lengths far beyond training."""
+    from symattn_cli.data.sequences import build
+
+    options = {"num_train": 1, "num_val": 1, "num_test": 1, "max_digits": 4,
+               "test_100_digits": digits, "num_test_100": count, "test_1000_digits": 0,
+               "decoding": "causal", "split_seed": seed}  # fmt: skip
+    bundle = build("addition", options, None)
+    tokens, _ = bundle.collate([bundle.extra_tests["test_100"][i] for i in range(count)])
+    return tokens
+
+
+def windowed_dense_error(model: nn.Module, tokens: torch.Tensor) -> float:
+    """A ``relative_window`` model's greedy logits over listed window pairs against those of the
+    dense (B, n, n) masks, at the real tokens (must be ~0: the same function)."""
+    model = model.eval()
+    real = tokens != model.pad_index  # (B, n)
+    with torch.no_grad():
+        windowed = model(tokens, windowed=True)[real]
+        return relative_error(windowed, model(tokens, windowed=False)[real])
 
 
 def position_shift_change(model: nn.Module, tokens: torch.Tensor, *, shift: int = 1) -> float:

@@ -210,6 +210,26 @@ def indexed_position_checks(*, dtype: str, seed: int) -> list[Check]:
         "the relative term reads index differences only")  # fmt: skip
     add("positions", layer, "relative term removed (non-degeneracy)", changes["removed"],
         "violation", "the logits see index differences")  # fmt: skip
+    # the ka_addition model's layout (coupled, window of 3), evaluated over listed window
+    # pairs at 1,000 digits; the dense masks are compared on the short example
+    torch.manual_seed(seed)
+    options = {"form": "softmax", "position": "coupled", "position_offset": 64,
+               "relative_span": 3, "relative_window": True, "d_model": 8, "heads": 2,
+               "layers": 2, "knowledge": 6, "mlp_hidden": 16}  # fmt: skip
+    windowed = on_data(options, spec).to(torch_dtype).eval()
+    for block in windowed.blocks:
+        torch.nn.init.normal_(block.attention.relative_bias)
+    layer = "ka_softmax + coupled + relative span 3, window, causal (addition)"
+    add("window", layer, "listed window pairs vs dense masks",
+        kv.windowed_dense_error(windowed, example), "exact", "same logits")  # fmt: skip
+    long = kv.long_addition_example(1000, count=1, seed=seed)
+    layer = layer.replace("(addition)", "(1,000 digits, windowed)")
+    errors = kv.model_orthogonal_errors(windowed, long, samples=2, seed=seed)
+    add("O(d)", layer, "(E,Z,W,F)→(QE,QZ,QWQᵀ,QF), 2 Haar Q", errors["with_knowledge"],
+        "exact", "logits invariant")  # fmt: skip
+    add("O(d)", layer, "E→QE alone", errors["embedding_only"], "violation")
+    add("positions", layer, "c→c+1 (non-degeneracy)", kv.position_shift_change(windowed, long),
+        "violation", "the logits see the positions")  # fmt: skip
     return rows
 
 

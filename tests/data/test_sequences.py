@@ -100,7 +100,8 @@ def test_bad_arithmetic_options():
         )
 
 
-ADDITION = {"num_train": 300, "num_val": 50, "num_test": 50, "max_digits": 6}
+ADDITION = {"num_train": 300, "num_val": 50, "num_test": 50, "max_digits": 6,
+            "num_test_100": 4, "num_test_1000": 2}  # fmt: skip
 
 
 def _addition_text(tokens, targets):
@@ -118,9 +119,10 @@ def test_addition_answers_lengths_and_disjoint_splits(reverse_answer):
     bundle = build("addition", {**ADDITION, "reverse_answer": reverse_answer}, None)
     splits = {"train": bundle.train, "val": bundle.val, "test": bundle.test}
     splits.update(bundle.extra_tests)
-    assert set(bundle.extra_tests) == {"test_long", "test_longer"}
+    assert list(bundle.extra_tests) == ["test_long", "test_longer", "test_100", "test_1000"]
     digits = {"train": (1, 6), "val": (1, 6), "test": (1, 6)}
     digits.update({"test_long": (7, 18), "test_longer": (19, 30)})  # 3x and 5x max_digits
+    digits.update({"test_100": (100, 100), "test_1000": (1000, 1000)})
     for name, split in splits.items():
         seen = set()
         for tokens, targets in split:
@@ -138,7 +140,31 @@ def test_addition_answers_lengths_and_disjoint_splits(reverse_answer):
     assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
     spec = bundle.spec
     assert spec.answer_order == ("lsd" if reverse_answer else "msd") and not spec.causal_answer
-    assert spec.max_len == max(len(t) for t, _ in bundle.extra_tests["test_longer"])
+    assert spec.max_len == 2 * 1000 + 2 + 1001  # test_1000: operands, '+', '=', answer
+
+
+def test_addition_fixed_length_splits_are_seeded_sized_and_optional():
+    options = {**ADDITION, "num_test_100": 7, "num_test_1000": 3}
+    bundle = build("addition", options, None)
+    assert (len(bundle.extra_tests["test_100"]), len(bundle.extra_tests["test_1000"])) == (7, 3)
+    again = build("addition", options, None)
+    other = build("addition", {**options, "split_seed": 1}, None)
+    for name in ("test_100", "test_1000"):
+        assert _keys(bundle.extra_tests[name]) == _keys(again.extra_tests[name])
+        assert not _keys(bundle.extra_tests[name]) & _keys(other.extra_tests[name])
+    # drawn after the other splits: adding or dropping them leaves those unchanged
+    dropped = build("addition", {**options, "test_100_digits": 0, "test_1000_digits": 0}, None)
+    assert list(dropped.extra_tests) == ["test_long", "test_longer"]
+    for name in ("test_long", "test_longer"):
+        assert _keys(dropped.extra_tests[name]) == _keys(bundle.extra_tests[name])
+    assert _keys(dropped.train) == _keys(bundle.train)
+    assert dropped.spec.max_len == max(len(t) for t, _ in dropped.extra_tests["test_longer"])
+    wide = build("addition", {**options, "test_100_digits": 40, "num_test_100": 2}, None)
+    for tokens, targets in wide.extra_tests["test_100"]:
+        a, b, _, answer = _addition_text(tokens, targets)
+        assert len(a) == len(b) == 40 and answer == str(int(a) + int(b)).zfill(41)[::-1]
+    with pytest.raises(DataError, match="test_1000_digits=6 must be above data.max_digits=6"):
+        build("addition", {**options, "test_1000_digits": 6}, None)
 
 
 def test_addition_causal_answers_hold_the_previous_digit():

@@ -276,6 +276,66 @@ def test_relative_window_reads_indexed_keys_within_the_span_only():
     assert (unwindowed.layout(example).attend.expand_as(far)[far]).any()  # masked by the window
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_rows_list_exactly_the_dense_pairs_and_buckets(causal):
+    model, example, _ = addition_model("coupled", causal=causal, relative_span=2,
+                                       relative_window=True)  # fmt: skip
+    dense = model.layout(example, windowed=False)
+    windowed = model.layout(example, windowed=True)
+    assert windowed.rows is not None and windowed.attend.dim() == 2  # no (B, n, n) mask
+    assert windowed.buckets is None
+    bsz, n = example.shape
+    listed = torch.zeros(bsz, n, n, dtype=torch.long)  # how often each pair is listed
+    buckets = torch.full((bsz, n, n), -1)
+    for part in windowed.rows:
+        b = torch.arange(bsz)[:, None, None].expand_as(part.keys)
+        q = part.query[..., None].expand_as(part.keys)
+        listed.index_put_((b[part.valid], q[part.valid], part.keys[part.valid]),
+                          torch.tensor(1), accumulate=True)  # fmt: skip
+        buckets[b[part.valid], q[part.valid], part.keys[part.valid]] = part.buckets[part.valid]
+    real = example != 0
+    want = dense.attend.expand(bsz, n, n) & real[:, :, None]  # pairs of real queries
+    assert listed.max() == 1 and torch.equal(listed.bool(), want)
+    assert torch.equal(buckets[want], dense.buckets[want])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_evaluation_equals_the_dense_one(causal):
+    from symattn_cli.verify.knowledge import windowed_dense_error
+
+    model, example, _ = addition_model("coupled", causal=causal, relative_span=2,
+                                       relative_window=True)  # fmt: skip
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attention.relative_bias)
+    assert windowed_dense_error(model, example) <= TOL
+    with torch.no_grad():  # the default in evaluation; greedy answers moved by the decoding
+        assert torch.equal(model(example), model(example, windowed=True))
+        real = example != 0
+        shifted = model(example, windowed=True, position_shift=1)[real]
+        assert (shifted - model(example, windowed=True)[real]).abs().max() > CLEAR_FAILURE
+    with pytest.raises(ValueError, match="windowed=True needs"):
+        addition_model("coupled", causal=causal)[0](example, windowed=True)
+
+
+def test_windowed_decoding_is_greedy_at_a_thousand_digits():
+    from symattn_cli.verify.knowledge import long_addition_example, model_orthogonal_errors
+
+    _, _, spec = addition_model("coupled", causal=True)
+    torch.manual_seed(0)
+    model = build({"form": "softmax", "position": "coupled", "relative_span": 3,
+                   "relative_window": True, **SMALL}, spec).double().eval()  # fmt: skip
+    example = long_addition_example(1000, count=1)  # (1, 3003)
+    with torch.no_grad():
+        greedy = model(example)  # (1, n, V)
+        layout = model.layout(example, windowed=True)
+        answer = layout.answer
+        follows = answer & torch.roll(answer, 1, dims=1)
+        fed = torch.where(follows, torch.roll(greedy.argmax(-1), 1, dims=1), example)
+        forced = model.logits(fed, layout)  # one pass, teacher-forced on its own answers
+    assert torch.allclose(greedy[answer], forced[answer], atol=1e-12)
+    assert model_orthogonal_errors(model, example, samples=1)["with_knowledge"] <= TOL
+
+
 def test_relative_index_scores_refuse_what_they_cannot_do():
     with pytest.raises(ConfigError, match="relative_span=2 scores differences"):
         build_model(vocab_size=15, pad_index=0, max_len=12, relative_span=2, **SMALL)

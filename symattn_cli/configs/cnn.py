@@ -14,6 +14,7 @@ class CNNConfig:
     channels: list[int] = field(default_factory=lambda: [32, 64, 96])
     kernel_size: int = 3
     dropout: float = 0.1
+    input_pool: int = 1  # average-pool the input by this factor first (as the GSA-Nets)
     in_channels: int = DATA_IN_CHANNELS
     num_classes: int = DATA_NUM_CLASSES
     image_size: int = DATA_IMAGE_SIZE  # checks that every pooling has a map to pool

@@ -65,6 +65,7 @@ class GCNNConfig:
     kernel_size: int = 3
     pool_after: list[int] = field(default_factory=lambda: [1])  # 2x2 max-pool after layer i
     dropout: float = 0.3
+    input_pool: int = 1  # average-pool the input by this factor first (as the GSA-Nets)
     in_channels: int = DATA_IN_CHANNELS
     num_classes: int = DATA_NUM_CLASSES
     image_size: int = DATA_IMAGE_SIZE  # checks that every pooling has a map to pool

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from symattn_cli.groups import Group, get_group
-from symattn_cli.models.cnn import check_layers, check_pools
+from symattn_cli.models.cnn import check_layers, check_pools, input_pooling
 from symattn_cli.nn.pooling import GroupPool
 
 
@@ -79,7 +79,9 @@ class GroupConv(nn.Module):
 
 
 class GroupCNN(nn.Module):
-    """Lifting conv, group convs with BatchNorm3d + ReLU, 2x2 max-pools, invariant logits."""
+    """Optional input average-pooling, lifting conv, group convs with BatchNorm3d + ReLU, 2x2
+    max-pools, invariant logits. A ``input_pool`` x ``input_pool`` average pooling commutes
+    with the grid-exact elements when it divides the image side, so invariance stays exact."""
 
     def __init__(
         self,
@@ -91,10 +93,12 @@ class GroupCNN(nn.Module):
         kernel_size: int = 3,
         pool_after: Sequence[int] = (1,),
         dropout: float = 0.3,
+        input_pool: int = 1,
     ) -> None:
         super().__init__()
         check_layers(channels, kernel_size, pool_after)
         self.group = group
+        self.input_pool = input_pooling(input_pool)
         layers: list[nn.Module] = []
         width = in_channels
         for i, out in enumerate(channels):
@@ -112,7 +116,7 @@ class GroupCNN(nn.Module):
         self.pool = GroupPool(reduction="max", spatial="mean")  # (B, K, N, H', W') -> (B, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.head(self.features(x))  # (B, K, N, H', W')
+        h = self.head(self.features(self.input_pool(x)))  # (B, K, N, H', W')
         return self.pool(h)  # (B, K): invariant logits
 
 
@@ -125,12 +129,14 @@ def build(
     kernel_size: int = 3,
     pool_after: Sequence[int] = (1,),
     dropout: float = 0.3,
+    input_pool: int = 1,
     image_size: int = 0,
 ) -> GroupCNN:
     """``_target_`` of the P4CNN configs: the :class:`GroupCNN` on ``group``, with its poolings
     checked against the data's ``image_size`` (0: not checked)."""
     model = GroupCNN(group=get_group(group), in_channels=in_channels, num_classes=num_classes,
                      channels=tuple(channels), kernel_size=kernel_size,
-                     pool_after=tuple(pool_after), dropout=dropout)  # fmt: skip
-    check_pools(pool_after, image_size)
+                     pool_after=tuple(pool_after), dropout=dropout,
+                     input_pool=input_pool)  # fmt: skip
+    check_pools(pool_after, image_size, input_pool)
     return model

@@ -7,8 +7,9 @@ prints, per group, every test score as mean ± std with n, the best-on-validatio
 training time and the parameters. Failed, diverged and unfinished runs are listed, not
 averaged; so are damaged run files (cut short, or failing a checksum), with what is wrong.
 Writes ``report.csv`` (raw numbers), ``report.md``, ``report.h5`` (tables
-``/results/groups`` and ``/results/runs``), ``metrics.png`` and ``curves.png`` into its run
-directory, and never over an existing file.
+``/results/groups`` and ``/results/runs``), ``metrics.png`` and ``curves.png`` (with ``x=``,
+``trend.png``; with ``scatter=``, ``scatter.png``) into its run directory, and never over an
+existing file.
 
 Paths are positional on the command line; :func:`positional_paths` turns them into the
 ``paths=[...]`` override, so every Hydra option still works.
@@ -112,6 +113,12 @@ def collect(cfg: Any) -> Report:
     finished = [run for run in runs if run.finished]
     grouping.check_metrics(readable, list(cfg.metrics))
     grouping.check_metrics(readable, [cfg.sort_by] if cfg.sort_by else [], option="sort_by")
+    if cfg.scatter and len(cfg.scatter) != 2:
+        raise ConfigError(
+            f"scatter=[{','.join(cfg.scatter)}] needs two summary metrics, the x axis then the "
+            "y axis, e.g. scatter=[train_time_s,test_acc]"
+        )
+    grouping.check_metrics(readable, list(cfg.scatter), option="scatter")
     metrics = list(cfg.metrics) or grouping.default_metrics(finished or readable)
     score = _score(readable)
     known = sorted({name for run in readable for name in run.epochs})
@@ -158,6 +165,7 @@ def report(cfg: Any) -> Report:
     if cfg.plot:
         targets += [directory / plots.METRICS_FILE, directory / plots.CURVES_FILE]
         targets += [directory / plots.TREND_FILE] if cfg.x else []
+        targets += [directory / plots.SCATTER_FILE] if cfg.scatter else []
     existing = [path for path in targets if path.exists()]
     if existing:
         raise UserError(
@@ -198,6 +206,9 @@ def report(cfg: Any) -> Report:
         if cfg.x:
             figures.append(plots.plot_trend(groups, metrics, cfg.x,
                                             directory / plots.TREND_FILE, found.title))  # fmt: skip
+        if cfg.scatter:
+            scatter = directory / plots.SCATTER_FILE
+            figures.append(plots.plot_scatter(groups, list(cfg.scatter), scatter, found.title))
 
     console = Console(width=None if sys.stdout.isatty() else 250)  # files: no wrapping
     console.print(found.title, highlight=False)

@@ -134,6 +134,7 @@ class ReportConfig:
     sort_by: str = ""  # a metric: best group first; "" = order of first appearance
     curves: list[str] = field(default_factory=list)  # epoch metrics (val_acc, train_loss)
     x: str = ""  # a numeric column: each metric against it (trend.png), a line per other label
+    scatter: list[str] = field(default_factory=list)  # [x, y] metrics: y against x (scatter.png)
     title: str = ""
     plot: bool = True
     name: str = "report"

@@ -4,7 +4,9 @@
 each run as a small dot beside it. ``curves.png``: one panel per epoch metric (the validation
 score and the training loss by default), a line per group at the mean over its runs with a
 ± std band. ``trend.png`` (``x=KEY``): each metric against a numeric column, a line per group
-of the other columns, mean ± std. Agg backend, so no display is needed.
+of the other columns, mean ± std. ``scatter.png`` (``scatter=[X,Y]``): summary metric Y
+against X (test accuracy against training time), a point per group at the means with ± std
+error bars along both axes. Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from symattn_cli.report.tables import header, is_score
 METRICS_FILE = "metrics.png"
 CURVES_FILE = "curves.png"
 TREND_FILE = "trend.png"
+SCATTER_FILE = "scatter.png"
 
 
 def group_name(group: RunGroup) -> str:
@@ -165,6 +168,58 @@ def plot_trend(groups: Sequence[RunGroup], metrics: Sequence[str], x: str, path:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="best")
     return _save(fig, path, title, "mean ± std over runs")
+
+
+def scatter_points(groups: Sequence[RunGroup], pair: Sequence[str]) -> list[tuple]:
+    """``(group name, mean x, std x, mean y, std y)`` of summary metrics ``pair = (x, y)``
+    per group that has both, scores in percent; std 0 for a single run."""
+    x, y = pair
+    points = []
+    for group in groups:
+        xs, ys = _scaled(group, x), _scaled(group, y)
+        if len(xs) and len(ys):
+            points.append((group_name(group), xs.mean(), _std(xs), ys.mean(), _std(ys)))
+    return points
+
+
+def plot_scatter(groups: Sequence[RunGroup], pair: Sequence[str], path: Path,
+                 title: str = "") -> Path | None:  # fmt: skip
+    """``path`` with summary metric ``pair[1]`` against ``pair[0]``: a point per group at the
+    means, ± std error bars along both axes, labelled with the group; ``None`` when no group
+    has both metrics."""
+    points = scatter_points(groups, pair)
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, y = pair
+    fig, ax = plt.subplots(figsize=(6.0, 4.5))
+    for (name, x_mean, x_std, y_mean, y_std), colour in zip(points, _colours(len(points)),
+                                                            strict=True):  # fmt: skip
+        ax.errorbar([x_mean], [y_mean], xerr=[x_std], yerr=[y_std], fmt="o", ms=6, capsize=3,
+                    color=colour, label=name)  # fmt: skip
+        ax.annotate(name, (x_mean, y_mean), xytext=(5, 5), textcoords="offset points",
+                    fontsize=7, color=colour)  # fmt: skip
+    ax.set_xlabel(header(x))
+    ax.set_ylabel(header(y))
+    ax.set_title(f"{y} against {x}", fontsize=9)
+    ax.margins(x=0.15, y=0.1)  # room for the labels beside the outermost points
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="best")
+    return _save(fig, path, title, "mean ± std over runs, along both axes")
+
+
+def _scaled(group: RunGroup, metric: str) -> np.ndarray:
+    """The group's values of ``metric``, scores in percent."""
+    return (100.0 if is_score(metric) else 1.0) * group.values(metric)
+
+
+def _std(values: np.ndarray) -> float:
+    """The sample standard deviation; 0 (no bar) for a single run."""
+    return float(values.std(ddof=1)) if len(values) > 1 else 0.0
 
 
 def _save(fig, path: Path, title: str, note: str) -> Path:

@@ -30,9 +30,11 @@ def write_run(
     choices: bool = True,
     keep_open: bool = False,
     num_train: int | None = None,
+    train_time_s: float | None = None,
 ):
     """``<directory>/run.h5`` as ``symattn train`` writes it; returns the open writer with
-    ``keep_open`` (a run still training), else the path."""
+    ``keep_open`` (a run still training), else the path; ``train_time_s`` defaults to 10 s
+    an epoch."""
     family = "cnn" if "cnn" in model else "gsa"
     config = {
         "model": {"family": family, "group": model.split("_")[0],
@@ -71,7 +73,8 @@ def write_run(
     if status == "finished":
         run.set_summary({"test_acc": test_acc, "test_loss": 1.0 - test_acc, "best_epoch": epochs,
                          "best_val_acc": test_acc, "parameters": 1000.0,
-                         "train_time_s": 10.0 * epochs})  # fmt: skip
+                         "train_time_s": 10.0 * epochs if train_time_s is None
+                         else train_time_s})  # fmt: skip
     run.set_status("running" if status == "stopped" else status)
     run.close()
     if status == "stopped":  # killed: the file says running, its writer is gone

@@ -68,7 +68,7 @@ def test_report_of_a_sweep_of_two_models_and_two_seeds(workdir):
         assert (out / name).stat().st_size > 10_000
 
 
-def test_unfinished_and_failed_runs_are_listed_not_averaged(workdir):
+def test_unfinished_and_failed_runs_are_listed_not_averaged(symattn, workdir):
     sweep = workdir / "sweep"
     write_run(sweep / "0", seed=0, test_acc=0.6)
     write_run(sweep / "1", seed=1, test_acc=0.8)
@@ -76,7 +76,7 @@ def test_unfinished_and_failed_runs_are_listed_not_averaged(workdir):
     write_run(sweep / "3", seed=3, status="stopped", epochs=1)
     live = write_run(sweep / "4", seed=4, epochs=1, planned=3, keep_open=True)
     try:
-        result = run_symattn("report", "sweep", "hydra.run.dir=rep", cwd=workdir)
+        result = symattn("report", "sweep", "hydra.run.dir=rep", cwd=workdir)
     finally:
         live.close()
     assert result.returncode == 0, result.stderr
@@ -92,26 +92,26 @@ def test_unfinished_and_failed_runs_are_listed_not_averaged(workdir):
     assert "not averaged" in (workdir / "rep" / "report.md").read_text()
 
 
-def test_bad_path_and_empty_directory_are_one_line_errors(workdir):
-    result = run_symattn("report", "nowhere", cwd=workdir)
+def test_bad_path_and_empty_directory_are_one_line_errors(symattn, workdir):
+    result = symattn("report", "nowhere", cwd=workdir)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and "'nowhere' does not exist" in result.stderr
     (workdir / "empty").mkdir()
-    result = run_symattn("report", "empty", cwd=workdir)
+    result = symattn("report", "empty", cwd=workdir)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "'empty' holds no run file" in result.stderr
-    result = run_symattn("report", cwd=workdir)
+    result = symattn("report", cwd=workdir)
     assert result.returncode == 2 and "no runs to report on" in result.stderr
     assert not [p for p in workdir.rglob("report.*") if p.suffix != ".log"]  # nothing written
 
 
-def test_a_report_never_overwrites_files(workdir):
+def test_a_report_never_overwrites_files(symattn, workdir):
     write_run(workdir / "run", test_acc=0.5)
-    first = run_symattn("report", "paths=[run]", "plot=false", "hydra.run.dir=rep", cwd=workdir)
+    first = symattn("report", "paths=[run]", "plot=false", "hydra.run.dir=rep", cwd=workdir)
     assert first.returncode == 0, first.stderr
     before = (workdir / "rep" / "report.md").read_text()
     assert not (workdir / "rep" / ".hydra").exists()  # the config is in report.h5
-    second = run_symattn("report", "run", "hydra.run.dir=rep", cwd=workdir)
+    second = symattn("report", "run", "hydra.run.dir=rep", cwd=workdir)
     assert second.returncode == 2 and "already exists" in second.stderr
     assert "hydra.run.dir" in second.stderr
     assert (workdir / "rep" / "report.md").read_text() == before
@@ -129,9 +129,9 @@ def test_positional_paths_become_the_paths_override(tmp_path, monkeypatch):
     assert paths_override(["a b", "it's"]) == "paths=['a b','it\\'s']"
 
 
-def test_quoted_paths_reach_the_config(workdir):
+def test_quoted_paths_reach_the_config(symattn, workdir):
     write_run(workdir / "a b,c" / "0", test_acc=0.5)
-    result = run_symattn("report", "a b,c", "--cfg", "job", cwd=workdir)
+    result = symattn("report", "a b,c", "--cfg", "job", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "- a b,c" in result.stdout
 
@@ -143,8 +143,12 @@ def test_quoted_paths_reach_the_config(workdir):
         ("sort_by", "tst_acc", "sort_by: 'tst_acc' is not a summary metric"),
         ("curves", ["val_nope"], "curves: 'val_nope' is not an epoch metric"),
         ("group_by", ["modle"], "group_by: 'modle' is neither a config group"),
+        ("scatter", ["train_time_s", "tst_acc"], "scatter: 'tst_acc' is not a summary metric"),
+        ("scatter", ["test_acc"], r"^scatter=\[test_acc\] needs two summary metrics, the x "
+         r"axis then the y axis, e.g. scatter=\[train_time_s,test_acc\]$"),
+        ("scatter", ["a", "b", "c"], r"^scatter=\[a,b,c\] needs two summary metrics"),
     ],
-)
+)  # fmt: skip
 def test_bad_options_name_the_value_and_the_choices(tmp_path, monkeypatch, key, value, message):
     write_run(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
@@ -174,10 +178,55 @@ def test_a_trend_plots_each_metric_against_a_numeric_column(tmp_path, monkeypatc
         plots.trend_values(found.groups, "model")
 
 
-def test_a_trend_over_a_column_the_report_lacks_says_how_to_add_it(workdir):
+def test_a_trend_over_a_column_the_report_lacks_says_how_to_add_it(symattn, workdir):
     for seed in (0, 1):
         write_run(workdir / "runs" / f"s{seed}", seed=seed)
-    result = run_symattn("report", "runs", "x=seed", cwd=workdir)
+    result = symattn("report", "runs", "x=seed", cwd=workdir)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "x=seed is not a column of this report; this report groups by no option; add it " \
            "with group_by=[seed]" in result.stderr  # fmt: skip
+
+
+def _cost_runs(directory):
+    """Two seeds each of two models, with accuracies and training times that differ."""
+    for model, time in (("cnn_mini", 20.0), ("gcnn_mini", 60.0)):
+        for seed in (0, 1):
+            write_run(directory / f"{model}-{seed}", model=model, seed=seed,
+                      test_acc=(0.6 if model == "cnn_mini" else 0.8) + seed / 10,
+                      train_time_s=time + 4 * seed)  # fmt: skip
+
+
+def test_a_scatter_draws_one_metric_against_another(tmp_path, monkeypatch):
+    """``scatter=[train_time_s,test_acc]``: a point per group at the means of both metrics,
+    with the std over its runs along each axis, drawn into scatter.png beside the tables."""
+    from symattn_cli.commands import report as command
+    from symattn_cli.report import plots
+
+    _cost_runs(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.structured(ReportConfig(paths=["runs"], scatter=["train_time_s", "test_acc"]))
+    found = collect(cfg)
+    points = plots.scatter_points(found.groups, ["train_time_s", "test_acc"])
+    spread = np.std([0.0, 4.0], ddof=1)
+    assert [p[0] for p in points] == ["cnn_mini", "gcnn_mini"]
+    assert np.allclose([p[1:] for p in points], [[22.0, spread, 65.0, np.sqrt(50.0)],
+                                                 [62.0, spread, 85.0, np.sqrt(50.0)]])  # fmt: skip
+
+    out = tmp_path / "rep"
+    out.mkdir()
+    monkeypatch.setattr(command, "run_dir", lambda: out)
+    command.report(cfg)
+    assert (out / "scatter.png").stat().st_size > 10_000
+    assert not (out / "trend.png").exists()
+
+
+def test_a_bad_scatter_is_a_one_line_error_before_any_file(symattn, workdir):
+    _cost_runs(workdir / "runs")
+    for option, message in [
+        ("scatter=[train_time_s]", "scatter=[train_time_s] needs two summary metrics"),
+        ("scatter=[train_time,test_acc]", "scatter: 'train_time' is not a summary metric"),
+    ]:
+        result = symattn("report", "runs", option, "hydra.run.dir=rep", cwd=workdir)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert message in result.stderr
+    assert not [p for p in (workdir / "rep").iterdir() if p.suffix != ".log"]  # nothing written

@@ -67,8 +67,8 @@ from symattn_cli.nn.knowledge import (
     IndexSinusoidPosition,
     IndexTablePosition,
     InnerProductScore,
-    KnowledgeAttention,
     KeyRows,
+    KnowledgeAttention,
     KnowledgeBlock,
     LearnedPosition,
     PermutationCoefficients,
@@ -362,8 +362,8 @@ class KnowledgeSeq2Seq(nn.Module):
             fed = torch.where(live, logits[rows, t - 1].argmax(-1), inputs[rows, t])  # (B,)
             inputs[rows, t] = fed
             at = t[:, None]  # (B, 1)
-            part = KeyRows(at, band.keys[rows, t][:, None], band.valid[rows, t][:, None],
-                           None if band.buckets is None else band.buckets[rows, t][:, None])  # fmt: skip
+            buckets = None if band.buckets is None else band.buckets[rows, t][:, None]
+            part = KeyRows(at, band.keys[rows, t][:, None], band.valid[rows, t][:, None], buckets)
             row_layout = Layout(layout.real, layout.real, layout.lengths,
                                 None if layout.index is None else layout.index[rows, t][:, None],
                                 None)  # fmt: skip

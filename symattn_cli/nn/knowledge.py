@@ -805,7 +805,9 @@ class KnowledgeAttention(nn.Module):
     def _check_listed(self) -> None:
         coef = self.coefficients
         if self.external or not isinstance(coef, Coefficients) or coef.knowledge_keys:
-            raise ValueError("listed key rows need the score-and-normaliser g, no external knowledge")
+            raise ValueError(
+                "listed key rows need the score-and-normaliser g and no external knowledge"
+            )
 
     def _mix(self, yq, yk, vk, valid, buckets) -> torch.Tensor:
         """Queries yq (B, h, r, k), keys yk (B, h, r, m, k), values vk (B, h, r, m, v) ->
@@ -874,8 +876,8 @@ class KnowledgeBlock(nn.Module):
     """h ← h + A(N(h)); h ← h + M(N(h)): one stacked layer of Sec. 5 with residual links.
 
     Shapes (B batch, n tokens, d embedding, m external knowledge vectors):
-    ``forward(x, mask=None, knowledge=None, buckets=None, rows=None)``: ``(B, n, d) -> (B, n, d)``, the
-    other arguments as :meth:`KnowledgeAttention.forward`.
+    ``forward(x, mask=None, knowledge=None, buckets=None, rows=None)``:
+    ``(B, n, d) -> (B, n, d)``, the other arguments as :meth:`KnowledgeAttention.forward`.
 
     Law: equivariant with knowledge, ``rotate_embedding(block, Q)(x Qᵀ) = block(x) Qᵀ`` for
     every orthogonal Q, and permutation equivariant in the tokens, because each part is.

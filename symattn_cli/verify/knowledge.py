@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -344,14 +344,48 @@ def addition_example(*, causal: bool = False, reverse_answer: bool = True):
 def long_addition_example(digits: int, *, count: int = 2, seed: int = 0) -> torch.Tensor:
     """``count`` causal additions of two ``digits``-digit operands (tokens (count, n)), for the
     checks of the windowed evaluation at lengths far beyond training."""
+    return _long_additions(digits, count, seed)[0]
+
+
+def addition_length_profile(
+    model: nn.Module,
+    lengths: Sequence[int],
+    *,
+    count: int = 100,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[dict]:
+    """Greedy answers of a causal addition model per operand length: for each number of
+    digits, ``count`` fresh additions (seeded, both operands that long); the share answered
+    exactly and, for each wrong answer, the position of its first wrong digit (1 = units)."""
+    model = model.eval()
+    profile = []
+    for digits in lengths:
+        tokens, targets = _long_additions(digits, count, seed)  # (count, n) each
+        first_wrong = []
+        with torch.no_grad():
+            for lo in range(0, count, batch_size):
+                pred = model(tokens[lo : lo + batch_size]).argmax(-1)  # (b, n)
+                want = targets[lo : lo + batch_size]  # (b, n)
+                read = want != IGNORE_INDEX
+                wrong = (pred != want) & read  # (b, n)
+                for row in range(wrong.shape[0]):
+                    if wrong[row].any():
+                        answer = wrong[row][read[row]]  # answer digits, units first
+                        first_wrong.append(int(answer.nonzero()[0]) + 1)
+        profile.append({"digits": digits, "exact": 1 - len(first_wrong) / count,
+                        "first_wrong": sorted(first_wrong)})  # fmt: skip
+    return profile
+
+
+def _long_additions(digits: int, count: int, seed: int):
     from symattn_cli.data.sequences import build
 
     options = {"num_train": 1, "num_val": 1, "num_test": 1, "max_digits": 4,
                "test_100_digits": digits, "num_test_100": count, "test_1000_digits": 0,
                "decoding": "causal", "split_seed": seed}  # fmt: skip
     bundle = build("addition", options, None)
-    tokens, _ = bundle.collate([bundle.extra_tests["test_100"][i] for i in range(count)])
-    return tokens
+    return bundle.collate([bundle.extra_tests["test_100"][i] for i in range(count)])
 
 
 def windowed_dense_error(model: nn.Module, tokens: torch.Tensor) -> float:

@@ -317,6 +317,7 @@ def test_windowed_evaluation_equals_the_dense_one(causal):
         addition_model("coupled", causal=causal)[0](example, windowed=True)
 
 
+@pytest.mark.slow
 def test_windowed_decoding_is_greedy_at_a_thousand_digits():
     from symattn_cli.verify.knowledge import long_addition_example, model_orthogonal_errors
 

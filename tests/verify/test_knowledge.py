@@ -104,3 +104,37 @@ def test_suite_checks_indexed_positions_and_causal_answers():
     window = [r for r in rows if "1,000 digits" in r.layer or r.symmetry == "window"]
     assert [r.expect for r in window] == ["exact", "exact", "violation", "violation"]
     assert sum(r.symmetry == "causality" and r.rel_err == 0.0 for r in rows) == 2
+
+
+class _Oracle(torch.nn.Module):
+    """Answers additions from their tokens, wrong at digit ``wrong_at`` of every ``every``-th."""
+
+    def __init__(self, wrong_at: int, every: int):
+        super().__init__()
+        self.wrong_at, self.every, self.calls = wrong_at, every, 0
+
+    def forward(self, tokens):
+        from symattn_cli.data.sequences import ADDITION_TOKENS, addition_item
+
+        logits = torch.zeros(*tokens.shape, len(ADDITION_TOKENS), dtype=torch.float64)
+        for row, seq in enumerate(tokens.tolist()):
+            text = "".join(ADDITION_TOKENS[t] for t in seq if t != 0)
+            a, b = text[: text.index("=")].split("+")
+            _, targets = addition_item(a, b, causal=True)
+            answer = [i for i, t in enumerate(targets) if t != IGNORE_INDEX]
+            if self.calls % self.every == 0:
+                targets[answer[self.wrong_at - 1]] = (targets[answer[self.wrong_at - 1]] + 1) % 14
+            self.calls += 1
+            for pos, t in enumerate(targets):
+                logits[row, pos, max(t, 0)] = 1.0
+        return logits
+
+
+def test_addition_length_profile_counts_exact_answers_and_first_wrong_digits():
+    from symattn_cli.verify.knowledge import addition_length_profile
+
+    profile = addition_length_profile(_Oracle(wrong_at=7, every=4), [12, 30], count=8,
+                                      batch_size=3)  # fmt: skip
+    assert [p["digits"] for p in profile] == [12, 30]
+    assert [p["exact"] for p in profile] == [0.75, 0.75]  # 2 of 8 wrong each
+    assert [p["first_wrong"] for p in profile] == [[7, 7], [7, 7]]

@@ -90,6 +90,74 @@ def run_symattn(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Compl
     )
 
 
+def call_symattn(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``symattn <args>`` run by the dispatcher's :func:`~symattn_cli.cli.main` in this process,
+    in ``cwd`` and the environment :func:`symattn_env` gives the program: its exit status and
+    what it wrote to ``sys.stdout`` and ``sys.stderr``, as :func:`run_symattn` returns them,
+    without the seconds a new interpreter takes to import torch. Python's warnings print to
+    its stderr as in a fresh process. What a command sets for its process (the working
+    directory, the environment, ``sys.argv``, logging, warning filters, signal handlers,
+    torch's threads, deterministic mode and random generators) is put back after it."""
+    import io
+    import logging
+    import random
+    import signal
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from symattn_cli.cli import main
+
+    def print_warning(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    known = logging.Logger.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(v for v in known if isinstance(v, logging.Logger))]
+    kept = {id(lg): (lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in loggers}
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    here, environ, argv = Path.cwd(), dict(os.environ), sys.argv[:]
+    threads = torch.get_num_threads()
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    generators = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    out, err, env = io.StringIO(), io.StringIO(), symattn_env()
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):  # fmt: skip
+            warnings.resetwarnings()  # a fresh interpreter's filters and printer
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                             ResourceWarning):  # fmt: skip
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            warnings.showwarning = print_warning
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.argv = argv
+        for lg in loggers:  # Hydra configures logging for each job
+            handlers, level, propagate, disabled = kept[id(lg)]
+            for handler in lg.handlers:
+                if handler not in handlers:
+                    handler.close()
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+        for number, handler in signals.items():
+            signal.signal(number, handler)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.set_rng_state(generators[0])
+        np.random.set_state(generators[1])
+        random.setstate(generators[2])
+    return subprocess.CompletedProcess(["symattn", *args], code, out.getvalue(), err.getvalue())
+
+
 def read_wandb_file(path: Path) -> dict[str, list[dict[str, str]]]:
     """Decode an offline ``run-*.wandb`` file into its history rows and summary updates.
 

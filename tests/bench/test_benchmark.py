@@ -301,6 +301,7 @@ def test_measure_case_runs_the_attention_backend_asked_for():
     assert row["attention_backend"] == "torch" and row["train_time_s"] > 0
 
 
+@pytest.mark.usefixtures("native_attention_core")
 def test_measure_fresh_runs_in_a_child_process():
     settings = Settings(repeats=1, warmup=0, threads=1, modes=("train",), omp_wait_policy="passive")
     row = measure_fresh(TINY, settings)
@@ -321,6 +322,7 @@ def test_measure_fresh_reports_a_failed_case():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 def test_quick_preset_writes_tables_fits_plots_and_wandb(workdir: Path):
     out = workdir / "run"
     result = run_symattn(
@@ -386,6 +388,7 @@ def test_unknown_preset_is_one_line_and_exit_2(symattn, workdir: Path):
     assert not (workdir / "run.h5").exists()
 
 
+@pytest.mark.usefixtures("native_attention_core")
 def test_attention_backends_option_measures_each_backend(symattn, workdir: Path):
     """One command compares backends on one device: here the C++ kernel and the plain PyTorch
     core on the CPU (on a GPU: ``attention_backends=[triton,torch]``)."""

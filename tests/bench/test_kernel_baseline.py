@@ -9,7 +9,6 @@ import pytest
 
 from symattn_cli.bench.measure import Case, Settings, measure_case
 from symattn_cli.nn.gsa import cpp
-from tests.helpers import run_symattn
 
 
 @pytest.fixture
@@ -46,8 +45,8 @@ def test_a_case_is_timed_against_the_baseline_kernel(kernel, tmp_path: Path):
     assert not any("baseline" in key for key in plain)
 
 
-def test_a_bad_kernel_baseline_is_one_line_and_exit_2(workdir: Path):
-    result = run_symattn(
+def test_a_bad_kernel_baseline_is_one_line_and_exit_2(symattn, workdir: Path):
+    result = symattn(
         "benchmark", "preset=quick", "kernel_baseline=no-such-revision", "logger.mode=disabled",
         f"hydra.run.dir={workdir / 'run'}", cwd=workdir,
     )  # fmt: skip

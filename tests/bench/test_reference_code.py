@@ -29,7 +29,6 @@ from symattn_cli.commands.benchmark import run_cases
 from symattn_cli.errors import ConfigError
 from symattn_cli.groups import get_group
 from symattn_cli.train.runfile import read_table
-from tests.helpers import run_symattn
 
 GROUPS = """
 class SE2:
@@ -120,8 +119,8 @@ def test_reference_code_needs_a_case_to_compare(stand_in: str):
         with_authors(quick, stand_in)
 
 
-def test_a_bad_reference_code_is_one_line_and_exit_2(workdir: Path):
-    result = run_symattn(
+def test_a_bad_reference_code_is_one_line_and_exit_2(symattn, workdir: Path):
+    result = symattn(
         "benchmark", "preset=reference", f"reference_code={workdir}", "logger.mode=disabled",
         f"hydra.run.dir={workdir / 'run'}", cwd=workdir,
     )  # fmt: skip
@@ -193,9 +192,12 @@ def test_published_figures_only_where_the_issue_has_them():
     assert measured["mem_ratio"] == pytest.approx(40.0)
 
 
-def test_the_command_measures_the_authors_net_in_its_own_process(stand_in: str, workdir: Path):
+@pytest.mark.usefixtures("native_attention_core")
+def test_the_command_measures_the_authors_net_in_its_own_process(
+    stand_in: str, symattn, workdir: Path
+):
     out = workdir / "run"
-    result = run_symattn(
+    result = symattn(
         "benchmark", "preset=reference", "groups=[z2]", f"reference_code={stand_in}",
         "repeats=1", "warmup=0", "count_flops=false", "plot=false", "logger.mode=disabled",
         f"hydra.run.dir={out}", cwd=workdir,
@@ -217,6 +219,7 @@ def test_the_command_measures_the_authors_net_in_its_own_process(stand_in: str, 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 @pytest.mark.skipif(
     not os.environ.get("SYMATTN_REFERENCE_CODE"),
     reason="set SYMATTN_REFERENCE_CODE to a clone of github.com/dwromero/g_selfatt",

@@ -243,6 +243,7 @@ def test_gpu_static_preset_names_the_costliest_lines_under_a_register_cap(workdi
                for n, t in zip(lines["line"], lines["text"], strict=True) if n)  # fmt: skip
 
 
+@pytest.mark.slow  # the command in a subprocess: gpu-static imports Triton compiled
 def test_a_register_cap_beyond_a_thread_or_a_negative_line_count_is_a_clear_error(
     workdir: Path,
 ):

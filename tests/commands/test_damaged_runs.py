@@ -39,14 +39,14 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_report_lists_damaged_runs_and_averages_them_nowhere(workdir):
+def test_report_lists_damaged_runs_and_averages_them_nowhere(symattn, workdir):
     sweep = workdir / "sweep"
     write_run(sweep / "0", seed=0, test_acc=0.6)
     write_run(sweep / "1", seed=1, test_acc=0.8)
     truncated = cut(write_run(sweep / "2", seed=2, test_acc=0.1), 0.5)
     flipped = flip_summary(write_run(sweep / "3", seed=3, test_acc=0.1))
     before = {path: digest(path) for path in (truncated, flipped)}
-    result = run_symattn("report", "sweep", "plot=false", "hydra.run.dir=rep", cwd=workdir)
+    result = symattn("report", "sweep", "plot=false", "hydra.run.dir=rep", cwd=workdir)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "2 finished runs in 1 group" in out and "2 not averaged" in out
@@ -65,9 +65,9 @@ def read_table_status(path: Path) -> list[str]:
     return list(read_table(path, "runs")["status"])
 
 
-def test_report_of_a_damaged_file_named_on_its_own(workdir):
+def test_report_of_a_damaged_file_named_on_its_own(symattn, workdir):
     damaged = cut(write_run(workdir / "run"), 0.7)
-    result = run_symattn("report", str(damaged), "plot=false", "hydra.run.dir=rep", cwd=workdir)
+    result = symattn("report", str(damaged), "plot=false", "hydra.run.dir=rep", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "no finished run yet among the 1 found" in result.stdout
     assert "damaged" in result.stdout and "cut short" in result.stdout
@@ -82,15 +82,15 @@ def test_report_of_a_damaged_file_named_on_its_own(workdir):
         pytest.param("resume", "truncated", marks=pytest.mark.slow),
     ],
 )
-def test_verify_and_resume_refuse_a_damaged_file(workdir, command, damage):
+def test_verify_and_resume_refuse_a_damaged_file(symattn, workdir, command, damage):
     path = write_run(workdir / "run", status="stopped")
     path = cut(path, 0.8) if damage == "truncated" else flip_summary(path)
     before = digest(path)
     if command == "verify":
-        result = run_symattn("verify-equivariance", f"checkpoint={path.parent}",
-                             "logger.mode=disabled", "hydra.run.dir=v", cwd=workdir)  # fmt: skip
+        result = symattn("verify-equivariance", f"checkpoint={path.parent}",
+                         "logger.mode=disabled", "hydra.run.dir=v", cwd=workdir)  # fmt: skip
     else:
-        result = run_symattn("train", f"resume={path.parent}", cwd=workdir)
+        result = symattn("train", f"resume={path.parent}", cwd=workdir)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("symattn: error:"), lines

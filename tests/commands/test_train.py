@@ -77,17 +77,17 @@ def test_multirun_gives_one_directory_per_job(workdir):
     assert len(files) == 2 and files[0].parent != files[1].parent
 
 
-def test_missing_resume_target_is_clear(workdir):
-    result = run_symattn("train", "resume=nowhere", cwd=workdir)
+def test_missing_resume_target_is_clear(symattn, workdir):
+    result = symattn("train", "resume=nowhere", cwd=workdir)
     assert result.returncode == 2
     assert "no run file" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_foreign_resume_file_is_clear(workdir):
+def test_foreign_resume_file_is_clear(symattn, workdir):
     foreign = workdir / "foreign.h5"
     with h5py.File(foreign, "w") as h5:
         h5["x"] = 1
-    result = run_symattn("train", f"resume={foreign}", cwd=workdir)
+    result = symattn("train", f"resume={foreign}", cwd=workdir)
     assert result.returncode == 2
     assert "not a symattn run file" in result.stderr and "Traceback" not in result.stderr
 
@@ -122,12 +122,12 @@ def test_a_resumed_run_keeps_its_config_and_takes_only_how_it_reports():
         resumed_config(OmegaConf.merge(stored), given, ["experiment=x"])
 
 
-def test_resume_with_another_model_is_refused(workdir):
+def test_resume_with_another_model_is_refused(symattn, workdir):
     run = workdir / "run"
-    trained = run_symattn("train", *TINY_TRAIN, "trainer.epochs=1", f"hydra.run.dir={run}",
-                          cwd=workdir)  # fmt: skip
+    trained = symattn("train", *TINY_TRAIN, "trainer.epochs=1", f"hydra.run.dir={run}",
+                      cwd=workdir)  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    result = run_symattn("train", f"resume={run}", "model=cnn_mini", cwd=workdir)
+    result = symattn("train", f"resume={run}", "model=cnn_mini", cwd=workdir)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "resume= continues a run with the config in its run file; model=cnn_mini would " \
            "change it" in result.stderr  # fmt: skip
@@ -188,9 +188,9 @@ def test_resume_never_runs_code_from_the_run_file(workdir):
         assert read_status(run) == "finished" and read_metrics(run)["epoch"].tolist() == [1.0]
 
 
-def test_diverged_run_says_what_to_change_and_keeps_its_file(workdir):
+def test_diverged_run_says_what_to_change_and_keeps_its_file(symattn, workdir):
     args = [*TINY_TRAIN, "trainer.optimizer=sgd", "trainer.lr=1e30"]
-    result = run_symattn("train", *args, cwd=workdir)
+    result = symattn("train", *args, cwd=workdir)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "loss became nan" in result.stderr and "Lower trainer.lr" in result.stderr
     path = only_run_file(workdir / "outputs")
@@ -205,6 +205,7 @@ GSA_KILL_ARGS = [*(a for a in KILL_ARGS if not a.startswith("model")), "model=gs
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 @pytest.mark.parametrize("args", [KILL_ARGS, GSA_KILL_ARGS], ids=["cnn", "gsa_mini"])
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(workdir, args):
     reference = run_symattn("train", *args, f"hydra.run.dir={workdir / 'ref'}", cwd=workdir)
@@ -274,13 +275,13 @@ def test_torchrun_data_parallel_on_cpu(workdir):
     assert read_status(run_dir / "run.h5") == "finished"
 
 
-def test_profile_names_where_the_run_spends_its_time(workdir):
+def test_profile_names_where_the_run_spends_its_time(symattn, workdir):
     """``trainer.profile=true``: profile.md holds every part of the step with its seconds and
     share of the wall time, the parts add up to the wall time, and the GSA-Net's attention
     kernel (or, without the C++ kernel, its PyTorch operators) takes a share of the step."""
     out = workdir / "profiled"
     args = [a for a in TINY_TRAIN if not a.startswith("model")]
-    result = run_symattn(
+    result = symattn(
         "train", *args, "model=gsa_mini", "trainer.epochs=1", "trainer.max_steps_per_epoch=3",
         "trainer.profile=true", f"hydra.run.dir={out}", cwd=workdir,
     )  # fmt: skip
@@ -303,9 +304,9 @@ def test_profile_names_where_the_run_spends_its_time(workdir):
     assert rows["1x1 projections"] > 0
 
 
-def test_addition_recipe_end_to_end_with_a_tiny_budget(workdir):
+def test_addition_recipe_end_to_end_with_a_tiny_budget(symattn, workdir):
     run = workdir / "add"
-    result = run_symattn(
+    result = symattn(
         "train", "experiment=ka_addition", "data.num_train=64", "data.num_val=16",
         "data.num_test=16", "data.max_digits=3", "model.d_model=8", "model.heads=2",
         "model.layers=1", "model.mlp_hidden=16", "trainer.epochs=1",

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from symattn_cli.train.runfile import read_summary, read_table
-from tests.helpers import TINY_TRAIN, run_symattn, symattn_env
+from tests.helpers import TINY_TRAIN, call_symattn, run_symattn, symattn_env
 
 
-def test_reduced_run_writes_table_and_plot(workdir):
+def test_reduced_run_writes_table_and_plot(symattn, workdir):
     out = workdir / "v"
-    result = run_symattn(
+    result = symattn(
         "verify-equivariance", "groups=[r4,z2m]", "families=[gsa,attention]",
         "logger.mode=disabled", f"hydra.run.dir={out}", cwd=workdir,
     )  # fmt: skip
@@ -47,9 +47,9 @@ def test_reduced_run_writes_table_and_plot(workdir):
     assert (out / "errors.png").stat().st_size > 0
 
 
-def test_float32_floor_is_visible(workdir):
+def test_float32_floor_is_visible(symattn, workdir):
     out = workdir / "v32"
-    result = run_symattn(
+    result = symattn(
         "verify-equivariance", "groups=[z4]", "layers=[lifting]", "families=[gsa]",
         "dtype=float32", "offgrid=false", "plot=false", "logger.mode=disabled",
         f"hydra.run.dir={out}", cwd=workdir,
@@ -71,6 +71,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_failing_exact_check_exits_non_zero(workdir):
     result = subprocess.run(
         [sys.executable, "-c", FAILING, "verify-equivariance", "plot=false",
@@ -82,23 +83,38 @@ def test_a_failing_exact_check_exits_non_zero(workdir):
     assert (workdir / "f" / "verify.h5").exists()  # the evidence is still written
 
 
-def test_unknown_layer_is_a_clear_error(workdir):
-    result = run_symattn("verify-equivariance", "layers=[attn]", "logger.mode=disabled",
-                         cwd=workdir)  # fmt: skip
+def test_a_failing_exact_check_exits_non_zero_in_process(workdir, monkeypatch):
+    """The check above by the dispatcher in this process, for the quick loop."""
+    import symattn_cli.verify.suite as suite
+    from symattn_cli.verify.records import Check
+
+    failing = [Check("gsa", "r4", "lifting", "rot90", 1e-3, 1e-3)]
+    monkeypatch.setattr(suite, "run_suite", lambda **kw: failing)
+    result = call_symattn("verify-equivariance", "plot=false", "logger.mode=disabled",
+                          f"hydra.run.dir={workdir / 'f'}", cwd=workdir)  # fmt: skip
+    assert result.returncode == 1
+    assert "FAIL gsa r4 lifting rot90" in result.stderr
+    assert (workdir / "f" / "verify.h5").exists()
+
+
+def test_unknown_layer_is_a_clear_error(symattn, workdir):
+    result = symattn("verify-equivariance", "layers=[attn]", "logger.mode=disabled",
+                     cwd=workdir)  # fmt: skip
     assert result.returncode == 2 and "layers: 'attn' is unknown" in result.stderr
 
 
-def test_unknown_group_and_too_few_images_are_clear_errors(workdir):
-    result = run_symattn("verify-equivariance", "groups=[r9]", "logger.mode=disabled",
-                         cwd=workdir)  # fmt: skip
+def test_unknown_group_and_too_few_images_are_clear_errors(symattn, workdir):
+    result = symattn("verify-equivariance", "groups=[r9]", "logger.mode=disabled",
+                     cwd=workdir)  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "groups: unknown group 'r9'; choose one of: z2, z4, r8" in result.stderr
-    result = run_symattn("verify-equivariance", "checkpoint=run.h5", "checkpoint_images=0",
-                         "logger.mode=disabled", cwd=workdir)  # fmt: skip
+    result = symattn("verify-equivariance", "checkpoint=run.h5", "checkpoint_images=0",
+                     "logger.mode=disabled", cwd=workdir)  # fmt: skip
     assert result.returncode == 2 and "checkpoint_images=0 must be at least 1" in result.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 def test_checkpoint_of_a_trained_gsa_model(workdir):
     run = workdir / "gsa"
     args = [a for a in TINY_TRAIN if not a.startswith("model")]

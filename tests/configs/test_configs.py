@@ -7,7 +7,6 @@ from omegaconf import OmegaConf
 
 import symattn_cli
 from symattn_cli.configs.paths import conf_dir, list_group_options
-from tests.helpers import run_symattn
 
 
 def test_config_groups_exist():
@@ -26,8 +25,8 @@ def test_list_and_create_model():
         symattn_cli.create_model("nope")
 
 
-def test_unknown_name_lists_options(workdir):
-    result = run_symattn("train", "model=nope", cwd=workdir)
+def test_unknown_name_lists_options(symattn, workdir):
+    result = symattn("train", "model=nope", cwd=workdir)
     assert result.returncode != 0
     assert "Could not find 'model/nope'" in result.stderr
     assert "cnn" in result.stderr  # Hydra lists the available options
@@ -35,33 +34,33 @@ def test_unknown_name_lists_options(workdir):
 
 
 @pytest.mark.parametrize("group", ["model", "data", "trainer", "logger"])
-def test_schemas_are_not_offered_as_options(group, workdir):
+def test_schemas_are_not_offered_as_options(group, symattn, workdir):
     """A wrong name lists the group's YAML options only, and so does ``--help``."""
-    result = run_symattn("train", f"{group}=nope", cwd=workdir)
+    result = symattn("train", f"{group}=nope", cwd=workdir)
     assert result.returncode != 0 and f"Could not find '{group}/nope'" in result.stderr
     offered = result.stderr.split("Available options")[1].split("Config search path")[0]
     assert set(offered.split()[2:]) == set(list_group_options(group))  # after "in '<group>':"
-    helped = run_symattn("train", "--help", cwd=workdir)
+    helped = symattn("train", "--help", cwd=workdir)
     groups = helped.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "_schema" not in groups
 
 
-def test_wrong_type_is_one_line_error(workdir):
-    result = run_symattn("train", "trainer.epochs=ten", cwd=workdir)
+def test_wrong_type_is_one_line_error(symattn, workdir):
+    result = symattn("train", "trainer.epochs=ten", cwd=workdir)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "trainer.epochs" in result.stderr and "ten" in result.stderr
 
 
-def test_bad_value_is_one_line_error(workdir):
-    result = run_symattn("train", "trainer.optimizer=adamx", "logger.mode=disabled", cwd=workdir)
+def test_bad_value_is_one_line_error(symattn, workdir):
+    result = symattn("train", "trainer.optimizer=adamx", "logger.mode=disabled", cwd=workdir)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "trainer.optimizer='adamx'" in result.stderr and "adamw" in result.stderr
 
 
-def test_cfg_job_prints_composed_config(workdir):
-    result = run_symattn("train", "--cfg", "job", "seed=3", cwd=workdir)
+def test_cfg_job_prints_composed_config(symattn, workdir):
+    result = symattn("train", "--cfg", "job", "seed=3", cwd=workdir)
     assert result.returncode == 0, result.stderr
     cfg = OmegaConf.create(result.stdout)
     assert cfg.seed == 3 and cfg.logger.mode == "offline"  # W&B default: no account needed
@@ -73,8 +72,8 @@ def test_cfg_job_prints_composed_config(workdir):
     assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (0, 16, 1e-2)
 
 
-def test_upright_digits_with_default_augmentation_name_the_fix(workdir):
+def test_upright_digits_with_default_augmentation_name_the_fix(symattn, workdir):
     """rotmnist_mini augments by default; asking for upright training digits says how to stop."""
-    result = run_symattn("train", "data.variant=upright", "logger.mode=disabled", cwd=workdir)
+    result = symattn("train", "data.variant=upright", "logger.mode=disabled", cwd=workdir)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "data.variant='upright'" in result.stderr and "data.augment=false" in result.stderr

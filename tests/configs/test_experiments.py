@@ -102,6 +102,7 @@ def test_cpu_preset_is_the_default_run_by_name():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 def test_cpu_preset_trains_end_to_end(workdir):
     tiny = [a for a in TINY_TRAIN if not a.startswith("model")]
     args = ["experiment=gsa_rotmnist_mini", *tiny, "trainer.epochs=1"]

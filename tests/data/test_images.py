@@ -11,7 +11,7 @@ import torch
 from symattn_cli.data.base import DataError
 from symattn_cli.data.image_common import rotate
 from symattn_cli.data.images import build as _build_images
-from tests.helpers import CodePayload, run_symattn
+from tests.helpers import CodePayload
 
 
 def build_data(options, root):
@@ -449,7 +449,7 @@ def test_cifar10_md5_checked_when_asked(tmp_path):
         build_data({"name": "cifar10", "variant": "plain", "download": False}, tmp_path)
 
 
-def test_cifar10_batch_with_a_payload_is_refused_and_runs_nothing(tmp_path):
+def test_cifar10_batch_with_a_payload_is_refused_and_runs_nothing(symattn, tmp_path):
     """A crafted batch in data/: the reader admits only the types a batch holds, so the
     payload's callable is refused by name before it can run; through the CLI, one line and
     exit 2."""
@@ -463,7 +463,7 @@ def test_cifar10_batch_with_a_payload_is_refused_and_runs_nothing(tmp_path):
     with pytest.raises(DataError, match=r"data_batch_1 is not a CIFAR-10 .*refers to \w+\.exec,"):
         build_data(options, tmp_path)
     assert not marker.exists()
-    result = run_symattn(
+    result = symattn(
         "train", "data=cifar10", "data.download=false", "data.verify_md5=false",
         f"data_root={tmp_path}", "model=cnn", "logger.mode=disabled", cwd=tmp_path,
     )  # fmt: skip

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from symattn_cli.cli import COMMANDS, main
-from tests.helpers import run_symattn, symattn_env
+from tests.helpers import symattn_env
 
 
+def test_help_lists_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("train", "verify-equivariance", "benchmark", "report"):
+        assert command in out
+
+
+@pytest.mark.slow
 def test_help_lists_commands_without_importing_torch():
     code = (
         "import sys; from symattn_cli.cli import main; main(['--help']); "
@@ -30,27 +41,44 @@ def test_unknown_command_is_a_clear_error(capsys):
     assert "unknown command 'trian'" in err and "train" in err
 
 
-def test_version_and_module_entry(workdir):
-    result = run_symattn("--version", cwd=workdir)
+def test_version_and_module_entry(symattn, workdir):
+    result = symattn("--version", cwd=workdir)
     assert result.returncode == 0 and result.stdout.startswith("symattn ")
 
 
-def test_bash_completion_knows_subcommands_and_config_groups(workdir, capsys):
+def test_bash_completion_knows_subcommands_and_config_groups(symattn, workdir, capsys,
+                                                             monkeypatch):  # fmt: skip
     assert main(["--completion", "bash"]) == 0
     script = capsys.readouterr().out
     assert "complete " in script and all(command in script for command in COMMANDS)
-    env = symattn_env() | {"COMP_LINE": "symattn model="}
-    out = subprocess.run(
-        [sys.executable, "-m", "symattn_cli", "train", "-sc", "query=bash"],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "model=cnn" in out.split()
+    monkeypatch.setenv("COMP_LINE", "symattn model=")
+    result = symattn("train", "-sc", "query=bash", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "model=cnn" in result.stdout.split()
 
 
+def test_openmp_wait_policy_is_left_to_the_environment(monkeypatch):
+    """In this process: the command sees OMP_WAIT_POLICY as the environment has it (the
+    subprocess check below also sees that torch is not loaded by then)."""
+    from symattn_cli import cli
+
+    seen = []
+
+    class Probe:  # stands in for the command module
+        @staticmethod
+        def main():
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: Probe)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # main sets the command's argv
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.main(["train"]) == 0
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert cli.main(["train"]) == 0
+    assert seen == [None, "PASSIVE"]
+
+
+@pytest.mark.slow
 def test_openmp_wait_policy_is_the_users():
     """The dispatcher leaves OMP_WAIT_POLICY to the environment (OpenMP's default: idle
     threads spin briefly, then sleep), and a setting there reaches the command."""
@@ -83,8 +111,6 @@ def test_run_exits_with_the_commands_status_and_freezes_what_is_left(monkeypatch
     the collector's reach, so that shutdown does not search them for cycles."""
     import gc
 
-    import pytest
-
     from symattn_cli import cli
 
     monkeypatch.setattr(cli, "main", lambda: 3)
@@ -98,6 +124,21 @@ def test_run_exits_with_the_commands_status_and_freezes_what_is_left(monkeypatch
         gc.unfreeze()
 
 
+def test_module_entry_runs_the_program(monkeypatch):
+    """``python -m symattn_cli``'s module, run here: the program's exit status."""
+    import gc
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["symattn", "trian"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module("symattn_cli", run_name="__main__")
+        assert exit_.value.code == 2
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.slow
 def test_module_entry_is_the_program():
     out = subprocess.run(
         [sys.executable, "-m", "symattn_cli", "trian"], capture_output=True, text=True,

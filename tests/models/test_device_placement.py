@@ -38,7 +38,14 @@ def _model_and_input(name: str):
     return model, torch.randn(1, 1, 28, 28, generator=gen)
 
 
-@pytest.mark.parametrize("name", symattn_cli.list_models())
+# The paper-sized GSA-Nets take seconds to a minute and a half each on the torch backend; the
+# quick loop checks their layers in the mini nets and in r4_sa and mirror_sa.
+PAPER_SIZED = {"r4m_sa", "r8_sa", "r8m_sa", "r12_sa", "r16_sa", "z2_sa", "z2m_sa", "z4_sa"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in PAPER_SIZED else name
+                                  for name in symattn_cli.list_models()])  # fmt: skip
 def test_forward_and_backward_make_no_tensor_off_the_input_device(name, monkeypatch):
     monkeypatch.setattr(
         core, "backend_for", lambda device, dtype=None, backend="auto", grouped=True: "torch"

@@ -88,7 +88,9 @@ def test_many_tiles_and_halo_blocks(form, shape, device, monkeypatch):
     [
         ("sum", dict(d=8, e=5)),  # group layer, e > M: its spatial term through products
         ("single", dict(d=8, e=5)),
-        ("sum", dict(g=8, m=2, d=6, e=3, by_v=True)),  # and its rows r in chunks
+        # and its rows r in chunks (each alone in the quick loop: the cases above and
+        # test_many_tiles_and_halo_blocks)
+        pytest.param("sum", dict(g=8, m=2, d=6, e=3, by_v=True), marks=pytest.mark.slow),
     ],
 )
 def test_a_spatial_term_with_more_products_than_logits(form, shape, device, monkeypatch):

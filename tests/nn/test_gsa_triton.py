@@ -59,8 +59,19 @@ def _kernel_only(monkeypatch) -> list:
     return flags
 
 
-@pytest.mark.parametrize(("form", "shape"), CASES)
-@pytest.mark.parametrize(("drop", "block"), [(0.0, None), (0.3, 2)])
+def _oracle_cases():
+    """Every case of CASES with all neighbours in one block, then in blocks of two. Blocks of
+    two over the 40 neighbours of the two cases that take contractions in passes are 20
+    blocks a program in the interpreter, seconds each: marked slow (the quick loop runs those
+    cases in one block, and every other case in blocks of two)."""
+    for drop, block in [(0.0, None), (0.3, 2)]:
+        for i, (form, shape) in enumerate(CASES):
+            many = block is not None and shape.get("j", 4) > 16
+            yield pytest.param(form, shape, drop, block, id=f"{drop}-{block}-{form}-shape{i}",
+                               marks=pytest.mark.slow if many else ())  # fmt: skip
+
+
+@pytest.mark.parametrize(("form", "shape", "drop", "block"), list(_oracle_cases()))
 def test_matches_the_dense_oracle(form, shape, drop, block, device, monkeypatch):
     """Values and gradients to float64 round-off, with the same dropout masks; all neighbours
     in one block, or ``block`` a block (the statistics carried from block to block; 9
@@ -156,7 +167,9 @@ def test_each_backward_alerts_on_its_inputs_device(backend, device, monkeypatch)
     assert calls == [(f"attention_backend={backend}'s backward", torch.device(device))]
 
 
-@pytest.mark.parametrize("block", [1, 4, None])
+# blocks of one: nine a program, seconds in the interpreter; blocks of four (the last partly
+# filled) carry the statistics from block to block in the quick loop
+@pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 4, None])
 def test_v_dependent_group_term_over_blocks(block, device, monkeypatch):
     """gl ``(Z, L, V, M, G)`` in the kernel: 9 neighbours (global offsets, one invalid for
     some queries) in blocks of 1, 4 (the last partly filled) or all in one, dropout on: its

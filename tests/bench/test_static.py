@@ -298,6 +298,7 @@ def test_gpu_static_preset_sets_another_revision_beside_todays(workdir: Path):
     assert read_summary(out / "run.h5")["case0_baseline_fwd_bwd_issue_ms"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_static_preset_times_each_launch_on_a_gpu(workdir: Path):
@@ -320,6 +321,7 @@ def test_gpu_static_preset_times_each_launch_on_a_gpu(workdir: Path):
     assert read_summary(out / "run.h5")["case0_fwd_bwd_measured_ms"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_static_preset_times_another_revision_beside_todays(workdir: Path):

@@ -159,6 +159,7 @@ def test_the_commands_refuse_crafted_run_files_and_report_imports_nothing(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 def test_the_example_trains_verifies_benchmarks_and_reports(tmp_path):
     """The README's commands for a user's own model and data, run from the example folder:
     a few steps of training, its symmetry claim verified, its step timed beside a shipped

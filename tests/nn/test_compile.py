@@ -136,6 +136,7 @@ def test_inductor_compiled_net_is_exact_responds_and_has_eager_gradients():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("native_attention_core")
 def test_trainer_compile_trains_and_keeps_plain_weight_names(tmp_path):
     from symattn_cli.train.runfile import read_weights
 

@@ -209,12 +209,18 @@ def build_on(builder, options: dict, spec) -> object:
     ``spec`` (a DataSpec) as the configs pass them; a GSA-Net's ``arch`` defaults to the
     data's, as ``${oc.select:data.arch,auto}`` does."""
     if spec.task == "tokens":
-        facts = dict(vocab_size=spec.vocab_size or spec.num_classes, max_len=spec.max_len,
-                     pad_index=spec.pad_index, tokens=spec.tokens,
-                     answer_order=spec.answer_order, causal_answer=spec.causal_answer)
+        facts = dict(
+            vocab_size=spec.vocab_size or spec.num_classes,
+            max_len=spec.max_len,
+            pad_index=spec.pad_index,
+            tokens=spec.tokens,
+            answer_order=spec.answer_order,
+            causal_answer=spec.causal_answer,
+        )
     else:
-        facts = dict(in_channels=spec.in_channels, num_classes=spec.num_classes,
-                     image_size=spec.image_size)
+        facts = dict(
+            in_channels=spec.in_channels, num_classes=spec.num_classes, image_size=spec.image_size
+        )
         if builder.__module__.endswith("gsa_net"):
             facts["arch"] = spec.arch or "auto"
     options = {k: v for k, v in options.items() if k not in ("_target_", "family")}
@@ -226,5 +232,12 @@ def arithmetic_spec():
     from symattn_cli.data.base import DataSpec
 
     tokens = ("<pad>", "_", "=", "+", "-", *"0123456789")
-    return DataSpec(task="tokens", num_classes=len(tokens), vocab_size=len(tokens), max_len=10,
-                    pad_index=0, arch="sequence", tokens=tokens)
+    return DataSpec(
+        task="tokens",
+        num_classes=len(tokens),
+        vocab_size=len(tokens),
+        max_len=10,
+        pad_index=0,
+        arch="sequence",
+        tokens=tokens,
+    )

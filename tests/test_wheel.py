@@ -52,7 +52,7 @@ def test_wheel_installs_and_runs_outside_checkout(tmp_path: Path):
     assert help_.returncode == 0 and "verify-equivariance" in help_.stdout
     job = run("train", "--cfg", "job", "model=cnn")
     assert job.returncode == 0, job.stderr
-    assert "family: cnn" in job.stdout
+    assert "_target_: symattn_cli.models.cnn.build" in job.stdout
     tiny = run(
         "train", "model=cnn", "model.channels=[4]", "data.num_train=32", "data.num_val=16",
         "data.num_test=16", "trainer.epochs=1", "logger.mode=disabled",

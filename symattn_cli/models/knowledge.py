@@ -729,4 +729,3 @@ def build(
     return build_model(vocab_size=vocab_size, pad_index=pad_index, max_len=max_len,
                        tokens=tuple(tokens or ()), answer_order=answer_order,
                        causal=causal_answer, **options)  # fmt: skip
-

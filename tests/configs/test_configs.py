@@ -66,7 +66,10 @@ def test_cfg_job_prints_composed_config(symattn, workdir):
     assert cfg.seed == 3 and cfg.logger.mode == "offline"  # W&B default: no account needed
     # the default run: the CPU-sized R4 GSA-Net on the bundled digits, every core
     assert (cfg.model._target_, cfg.model.group, cfg.model.heads) == (
-        "symattn_cli.models.gsa_net.build", "r4", 4)
+        "symattn_cli.models.gsa_net.build",
+        "r4",
+        4,
+    )
     assert cfg.model.norm == "batch" and cfg.model.attention_backend == "auto"
     assert cfg.data.name == "rotmnist_mini" and cfg.data.augment  # fresh angles per draw
     assert (cfg.trainer.threads, cfg.trainer.batch_size, cfg.trainer.lr) == (0, 16, 1e-2)

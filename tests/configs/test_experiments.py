@@ -203,8 +203,11 @@ def test_models_and_data_bring_their_trainer_and_presets_and_the_command_line_wi
 def test_addition_recipe_composes_positions_as_knowledge_and_causal_answers():
     cfg = compose_train("experiment=ka_addition")
     assert (cfg.model._target_, cfg.model.form, cfg.model.position) == (
-        "symattn_cli.models.knowledge.build", "softmax", "coupled")
-    assert cfg.model.position_offset == 64
+        "symattn_cli.models.knowledge.build",
+        "softmax",
+        "coupled",
+    )
+    assert cfg.model.position_offset == 1000  # covers the longest test split
     assert cfg.model.relative_span == 3 and cfg.model.relative_window is True
     assert (cfg.data.name, cfg.data.decoding, cfg.data.max_digits) == ("addition", "causal", 10)
     assert cfg.data.reverse_answer is True

@@ -26,6 +26,8 @@ def build(options, spec):
 
 def default_spec(options):
     return arithmetic_spec()
+
+
 SMALL = {"d_model": 8, "heads": 2, "layers": 2, "knowledge": 6, "mlp_hidden": 16}
 
 

@@ -265,10 +265,14 @@ def _rescales() -> bool:
     return bool(getattr(load(), "rescales_dropout", False))
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the kernel is built (or can be) in this process; a constant to torch.compile."""
     return load() is not None
+
+
+# What torch.compiler.assume_constant_result sets: that decorator imports torch._dynamo, a
+# second of every run's start, while torch.compile reads only this mark.
+available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def cpp_attention(q, k, v, emb, index, rho, offsets, neighbour, valid, single, n, threshold,
